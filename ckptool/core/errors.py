@@ -1,0 +1,75 @@
+"""One error hierarchy for all of ckptool.
+
+Each class carries the CLI exit code of the contract (0 ok, 1 bad checkpoint or none
+found, 2 usage error or unreadable input). Errors carry fields (path, key) and a hint;
+the CLI edge renders them as one line: what, where, what to do.
+"""
+
+from __future__ import annotations
+
+
+class CkptoolError(Exception):
+    """Base of every error a user can cause. Never shown with a traceback."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None,
+                 hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.key = key
+        self.hint = hint
+
+    def one_line(self) -> str:
+        where = []
+        if self.path:
+            where.append(str(self.path))
+        if self.key:
+            where.append(f"tensor {self.key!r}")
+        text = self.message
+        if where:
+            text = f"{text} ({', '.join(where)})"
+        if self.hint:
+            text = f"{text}. {self.hint}"
+        return text
+
+
+class UsageError(CkptoolError):
+    """Bad flags or arguments (exit 2)."""
+
+
+class UnreadableInput(CkptoolError, OSError):
+    """A path that cannot be opened or parsed at all (exit 2)."""
+
+
+class UnknownFormat(UnreadableInput):
+    """Nothing at the path looks like a checkpoint format ckptool knows (exit 2)."""
+
+
+class UnsupportedFormat(UnreadableInput):
+    """The format was detected but this operation is not available for it yet (exit 2)."""
+
+
+class UnsafePickle(UnreadableInput):
+    """A pickle refers to a class outside the allowlist (exit 2)."""
+
+
+class BadCheckpoint(CkptoolError):
+    """The checkpoint is corrupt, partial or uncommitted (exit 1)."""
+
+    exit_code = 1
+
+
+class NotCommitted(BadCheckpoint):
+    """A ckptool-written checkpoint without its manifest: the writer never finished."""
+
+
+class NoCheckpoint(CkptoolError):
+    """`latest` found nothing valid (exit 1)."""
+
+    exit_code = 1
+
+
+class TopologyError(UsageError):
+    """A topology that breaks a layout rule (exit 2)."""
