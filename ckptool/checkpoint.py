@@ -1,0 +1,114 @@
+"""Finding and opening checkpoints: run roots, candidates, and the merged index.
+
+A *run root* holds checkpoint directories (``step_000100/``, ``iter_0000200/``...). A
+checkpoint directory is anything a format detects, or that has a manifest. Names ending in
+``.tmp-<id>`` are outputs whose writer never finished; nothing reads them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import converters
+from ckptool.core.errors import UnknownFormat
+from ckptool.core.index import CheckpointIndex, Reader
+from ckptool.core.manifest import Manifest, read_manifest
+from ckptool.core.storage import Store, is_temporary
+from ckptool.core.topology import Topology
+
+_NUMBER = re.compile(r"(\d+)")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A directory under a run root that is, or was meant to be, a checkpoint."""
+
+    store: Store
+    temporary: bool
+    order: tuple
+    """Sort key: (iteration or -1, name)."""
+
+
+def _iteration_from_name(name: str) -> int:
+    numbers = _NUMBER.findall(name)
+    return int(numbers[-1]) if numbers else -1
+
+
+def candidates(root: Store) -> list[Candidate]:
+    """Checkpoint directories directly under ``root``, newest first."""
+    found = []
+    for name, is_dir in root.ls():
+        if not is_dir:
+            continue
+        child = root.child(name)
+        if is_temporary(name):
+            base = name[:name.rfind(".tmp-")]
+            found.append(Candidate(child, True, (_iteration_from_name(base), base)))
+            continue
+        try:
+            fmt = converters.detect(child)
+        except Exception:  # a child with a broken manifest is still a (bad) candidate
+            fmt = "?"
+        if fmt is None:
+            continue
+        iteration = _manifest_iteration(child)
+        found.append(Candidate(child, False, (
+            iteration if iteration is not None else _iteration_from_name(name), name)))
+    return sorted(found, key=lambda c: c.order, reverse=True)
+
+
+def _manifest_iteration(store: Store) -> int | None:
+    try:
+        manifest = read_manifest(store)
+    except Exception:
+        return None
+    return manifest.iteration if manifest else None
+
+
+def resolve(url: str) -> Store:
+    """The checkpoint at ``url``: the directory itself, or the newest one in a run root."""
+    store = Store.open(url)
+    if not store.exists():
+        raise UnknownFormat("no such file or directory", path=store.url)
+    if converters.detect(store) is not None:
+        return store
+    found = [c for c in candidates(store) if not c.temporary]
+    if not found:
+        converters.require_format(store)  # raises with what was found
+    return found[0].store
+
+
+@dataclass
+class Opened:
+    """A checkpoint with its format, reader, manifest (if any) and index."""
+
+    store: Store
+    format: str
+    reader: Reader
+    manifest: Manifest | None
+    index: CheckpointIndex
+
+
+def merge_manifest(index: CheckpointIndex, manifest: Manifest | None) -> CheckpointIndex:
+    """Fill what the format itself does not record from the manifest."""
+    if manifest is None:
+        return index
+    if index.topology is None and manifest.topology:
+        index.topology = Topology.from_dict(manifest.topology)
+    if index.model_config is None and manifest.model_config:
+        index.model_config = manifest.model_config
+    if index.iteration is None:
+        index.iteration = manifest.iteration
+    if index.true_vocab_size is None:
+        index.true_vocab_size = manifest.true_vocab_size
+    return index
+
+
+def open_checkpoint(url: str | Store) -> Opened:
+    store = url if isinstance(url, Store) else resolve(url)
+    fmt = converters.require_format(store)
+    manifest = read_manifest(store)
+    reader = converters.reader(fmt)
+    index = merge_manifest(reader.read_index(store), manifest)
+    return Opened(store, fmt, reader, manifest, index)

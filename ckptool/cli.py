@@ -1,0 +1,257 @@
+"""The ``ckptool`` command line. It only parses, calls the API and renders.
+
+Exit codes (the contract): 0 ok, 1 the checkpoint is bad or none was found, 2 usage error
+or unreadable input. Errors are one line on stderr; set CKPTOOL_DEBUG=1 for a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+import click
+
+from ckptool.core import VERSION
+from ckptool.core.errors import CkptoolError
+from ckptool.core.safe_pickle import trust_pickle
+from ckptool.core.storage import set_storage_options
+
+
+class Output:
+    """One sink: human text, one JSON document, or quiet. Progress only for a human on a TTY."""
+
+    def __init__(self, as_json: bool, quiet: bool):
+        self.as_json = as_json
+        self.quiet = quiet
+
+    def progress(self, total: int | None, desc: str):
+        if self.as_json or self.quiet or not sys.stderr.isatty():
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                    file=sys.stderr, leave=False)
+
+    def result(self, obj: Any, human: str) -> None:
+        if self.as_json:
+            click.echo(json.dumps(_plain(obj), indent=1))
+        elif not self.quiet and human:
+            click.echo(human)
+
+    def note(self, text: str) -> None:
+        """Side information for humans, on stderr (never pollutes --json stdout)."""
+        if not self.quiet:
+            click.echo(text, err=True)
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)
+
+
+def _output_options(f):
+    f = click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")(f)
+    f = click.option("--json", "as_json", is_flag=True,
+                     help="Print one JSON document on stdout.")(f)
+    return f
+
+
+def _storage_option(ctx, param, values):
+    options = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}")
+        options[key] = value
+    return options
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(VERSION, prog_name="ckptool")
+@click.option("--trust-pickle", "trust", is_flag=True,
+              help="Allow arbitrary pickles in checkpoint files (runs their code). Off by default.")
+@click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
+              callback=_storage_option, help="Extra fsspec storage option for every URL.")
+def cli(trust: bool, storage_options: dict):
+    """Checkpoints for TP x PP x DP training: inspect, verify, find the latest.
+
+    \b
+    ckptool inspect /pfs/run/step_000200
+    ckptool verify  /pfs/run/step_000200 --deep
+    ckptool latest  /pfs/run --json
+    """
+    trust_pickle(trust)
+    set_storage_options(storage_options)
+
+
+@cli.command()
+@click.argument("ckpt", metavar="CKPT")
+@click.option("--top", default=10, show_default=True, help="How many of the largest tensors to list.")
+@_output_options
+def inspect(ckpt: str, top: int, as_json: bool, quiet: bool):
+    """Show what the checkpoint CKPT holds: format, topology, iteration, tensors by size.
+
+    CKPT is a checkpoint directory or a run root (its newest checkpoint is shown).
+    """
+    from ckptool.inspect import inspect as run
+
+    out = Output(as_json, quiet)
+    res = run(ckpt, top=top)
+    lines = [
+        f"{res.path}",
+        f"  format      {res.format}" + (f" (version {res.format_version})" if res.format_version else ""),
+        f"  committed   {_committed(res.committed)}",
+        f"  topology    {_topology(res.topology)}",
+        f"  iteration   {res.iteration if res.iteration is not None else 'unknown'}",
+        f"  tensors     {res.tensor_count} ({_size(res.total_bytes)})",
+        f"  objects     {res.object_count}",
+    ]
+    if res.model_config:
+        cfg = ", ".join(f"{k}={v}" for k, v in list(res.model_config.items())[:8])
+        lines.append(f"  model       {cfg}")
+    if res.bytes_by_dtype:
+        lines.append("  by dtype    " + ", ".join(f"{k} {_size(v)}" for k, v in res.bytes_by_dtype.items()))
+    if res.largest:
+        lines.append("  largest tensors:")
+        width = max(len(t.key) for t in res.largest)
+        for t in res.largest:
+            lines.append(f"    {t.key:<{width}}  {t.dtype:<8} {str(t.shape):<18} {_size(t.bytes):>10}"
+                         f"  {t.pieces} piece(s)")
+    out.result(res, "\n".join(lines))
+
+
+@cli.command()
+@click.argument("ckpt", metavar="CKPT")
+@click.option("--deep", is_flag=True, help="Also read every piece: shape, dtype, NaN/Inf.")
+@click.option("--seal", is_flag=True, help="Write a manifest for a foreign checkpoint after a deep check.")
+@click.option("--strict", is_flag=True, help="Treat files missing from the manifest as errors.")
+@click.option("--workers", default=2, show_default=True, help="Files hashed in parallel.")
+@_output_options
+def verify(ckpt: str, deep: bool, seal: bool, strict: bool, workers: int, as_json: bool, quiet: bool):
+    """Check that the checkpoint CKPT is whole, committed and uncorrupted.
+
+    Exit 0 when it is sound, 1 when it is not (each problem names the file and the tensor),
+    2 when CKPT cannot be read at all. CKPT is a checkpoint directory or a run root.
+    """
+    from ckptool.verify import verify as run
+
+    out = Output(as_json, quiet)
+    bar = out.progress(_total_bytes(ckpt), "verify") if not as_json else None
+    try:
+        report = run(ckpt, deep=deep, seal=seal, strict=strict, workers=workers,
+                     progress=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    for w in report.warnings:
+        out.note(f"warning: {w.one_line()}")
+    status = "OK" if report.ok else "FAILED"
+    state = {True: "committed", False: "NOT committed", None: "foreign, unsealed"}[report.committed]
+    if report.sealed:
+        state = "sealed now (manifest written)"
+    human = [f"{status}: {report.path} ({report.format}, {state}; {report.files_checked} files, "
+             f"{_size(report.bytes_hashed)} hashed, {report.tensors} tensors"
+             + (f", {report.pieces_read} pieces read" if report.deep else "") + ")"]
+    human += [f"  error: {p.one_line()}" for p in report.problems]
+    if report.ok or not as_json:
+        out.result(report, "\n".join(human))
+    else:
+        out.result(report, "")
+    if not report.ok and quiet:
+        for p in report.problems:
+            click.echo(f"ckptool: error: {p.one_line()}", err=True)
+    sys.exit(report.exit_code)
+
+
+@cli.command()
+@click.argument("root", metavar="ROOT")
+@click.option("--no-verify", is_flag=True, help="Skip hashing: take the newest committed one.")
+@_output_options
+def latest(root: str, no_verify: bool, as_json: bool, quiet: bool):
+    """Print the path of the newest valid checkpoint under the run root ROOT.
+
+    Newer checkpoints that were skipped are listed on stderr with the reason. Exit 1
+    when there is none.
+    """
+    from ckptool.core.errors import NoCheckpoint
+    from ckptool.latest import latest as run
+
+    out = Output(as_json, quiet)
+    try:
+        res = run(root, verify_checkpoints=not no_verify)
+    except NoCheckpoint as exc:
+        _report_skipped(out, getattr(exc, "skipped", []))
+        raise
+    _report_skipped(out, res.skipped)
+    out.result(res, res.path)
+
+
+def _report_skipped(out: Output, skipped) -> None:
+    for s in skipped:
+        out.note(f"skipped {s.path}: {s.reason}")
+
+
+def _committed(value) -> str:
+    return {True: "yes (manifest present)", False: "NO (ckptool.json missing: writer never finished)",
+            None: "foreign checkpoint, no manifest (seal it with `ckptool verify --seal`)"}[value]
+
+
+def _topology(topo: dict | None) -> str:
+    if not topo:
+        return "unknown"
+    from ckptool.core.topology import Topology
+
+    return str(Topology.from_dict(topo))
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _total_bytes(url: str) -> int | None:
+    try:
+        from ckptool.checkpoint import resolve
+
+        return sum(resolve(url).files().values())
+    except Exception:
+        return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="ckptool", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("ckptool: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(2 if isinstance(exc, click.UsageError) else exc.exit_code)
+    except CkptoolError as exc:
+        if os.environ.get("CKPTOOL_DEBUG"):
+            raise
+        click.echo(f"ckptool: error: {exc.one_line()}", err=True)
+        sys.exit(exc.exit_code)
+    except OSError as exc:
+        if os.environ.get("CKPTOOL_DEBUG"):
+            raise
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        click.echo(f"ckptool: error: {exc.strerror or exc}{where}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The index of a checkpoint: its global tensors, where their pieces are stored, its
+named objects and what is known of the job that wrote it; and the protocol every format
+reader implements to produce one.
+
+This protocol is the whole surface a format must give: ``detect``, ``read_index`` and
+``read_piece``/``read_object``. ``inspect``, ``verify``, ``reshard`` and ``convert`` are
+written once on top of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptool.core.regions import Region
+from ckptool.core.storage import Store
+from ckptool.core.topology import Topology
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where the bytes of one stored piece or object are."""
+
+    file: str
+    """Path relative to the checkpoint directory."""
+    offset: int = 0
+    length: int | None = None
+    """Byte length, or None for 'to the end of the file'."""
+    detail: Any = None
+    """Format-specific: e.g. DCP transform descriptors, a key inside a container file."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One stored piece of a global tensor: a region and where its bytes are."""
+
+    region: Region
+    location: Location
+
+
+@dataclass(slots=True)
+class TensorInfo:
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(slots=True)
+class ObjectInfo:
+    """A named non-tensor entry (iteration, args, scheduler, RNG state...)."""
+
+    key: str
+    location: Location | None = None
+    value: Any = None
+    """Set when the value is already known from the metadata itself."""
+
+
+@dataclass(slots=True)
+class CheckpointIndex:
+    format: str
+    url: str
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    objects: dict[str, ObjectInfo] = field(default_factory=dict)
+    files: dict[str, int] = field(default_factory=dict)
+    """Every file the format's own metadata names -> the least size it must have."""
+    topology: Topology | None = None
+    model_config: dict | None = None
+    true_vocab_size: int | None = None
+    iteration: int | None = None
+    format_version: str | None = None
+    written_by_ckptool: bool = False
+    """The format's own metadata carries ckptool's mark: without a manifest it is uncommitted."""
+
+
+class Reader:
+    """A format's reader. Subclasses set ``name`` and implement the four methods."""
+
+    name: str = ""
+
+    @classmethod
+    def detect(cls, store: Store) -> bool:
+        """True when ``store`` is a checkpoint directory of this format."""
+        raise NotImplementedError
+
+    def read_index(self, store: Store) -> CheckpointIndex:
+        raise NotImplementedError
+
+    def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+        """The piece's local tensor, of shape ``piece.region.local_shape``."""
+        raise NotImplementedError
+
+    def read_object(self, store: Store, obj: ObjectInfo) -> Any:
+        """The value of a named object (Opaque when its pickle is not allowlisted)."""
+        if obj.location is None:
+            return obj.value
+        raise NotImplementedError

@@ -1,0 +1,166 @@
+"""The manifest ``ckptool.json``: what a checkpoint is, and a checksum of every file.
+
+It is written last. A checkpoint that ckptool wrote is committed exactly when its manifest
+exists. Hashes are xxh3-128 of each whole file, computed while writing where the writer
+can (:class:`HashingWriter`) and in one streaming pass otherwise (:func:`hash_files`).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable
+
+import xxhash
+
+from ckptool.core import VERSION
+from ckptool.core.errors import BadCheckpoint
+from ckptool.core.storage import Store, write_file_atomically
+
+MANIFEST = "ckptool.json"
+MANIFEST_VERSION = 1
+HASH = "xxh3-128"
+_BLOCK = 8 << 20
+
+
+def _creator() -> str:
+    return f"ckptool {VERSION}"
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    path: str
+    """Relative to the checkpoint directory, '/'-separated."""
+    size: int
+    xxh3_128: str
+
+
+@dataclass(slots=True)
+class Manifest:
+    format: str
+    files: list[FileEntry]
+    format_version: str | None = None
+    topology: dict | None = None
+    model_config: dict | None = None
+    true_vocab_size: int | None = None
+    iteration: int | None = None
+    sealed: bool = False
+    """True when `verify --seal` wrote it for a checkpoint ckptool did not write."""
+    creator: str = field(default_factory=_creator)
+    created_utc: str = field(
+        default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        data = {"ckptool_manifest": MANIFEST_VERSION, "hash": HASH, **asdict(self)}
+        return json.dumps(data, indent=1, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, source: str) -> "Manifest":
+        try:
+            data = json.loads(text)
+            if data.get("ckptool_manifest") != MANIFEST_VERSION or data.get("hash") != HASH:
+                raise ValueError(f"unknown manifest version {data.get('ckptool_manifest')!r}")
+            files = [FileEntry(str(f["path"]), int(f["size"]), str(f["xxh3_128"]))
+                     for f in data["files"]]
+            known = {k: data[k] for k in cls.__dataclass_fields__ if k in data and k != "files"}
+            return cls(files=files, **known)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BadCheckpoint(f"manifest is not valid: {exc}", path=source,
+                                hint="The checkpoint was not committed by a known ckptool") from None
+
+    def file_map(self) -> dict[str, FileEntry]:
+        return {f.path: f for f in self.files}
+
+
+def read_manifest(store: Store) -> Manifest | None:
+    """The manifest of ``store``, or None if it has none (not committed, or foreign)."""
+    if not store.exists(MANIFEST):
+        return None
+    return Manifest.from_json(store.read_bytes(MANIFEST), store.display(MANIFEST))
+
+
+def write_manifest(store: Store, manifest: Manifest) -> None:
+    write_file_atomically(store, MANIFEST, manifest.to_json().encode())
+
+
+class HashingWriter:
+    """A file-like writer that hashes what passes through it, so no second pass is needed."""
+
+    def __init__(self, raw):
+        self._raw = raw
+        self._hash = xxhash.xxh3_128()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self._raw.write(data)
+        self._hash.update(data)
+        n = memoryview(data).nbytes
+        self.size += n
+        return n
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fsync(self) -> None:
+        self._raw.flush()
+        fileno = getattr(self._raw, "fileno", None)
+        if fileno is not None:
+            try:
+                os.fsync(fileno())
+            except (OSError, ValueError, AttributeError):
+                pass
+
+
+def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = None) -> tuple[int, str]:
+    """(size, xxh3-128 hex) of one file, streamed in large blocks."""
+    h = xxhash.xxh3_128()
+    size = 0
+    if store.is_local:
+        view = memoryview(bytearray(_BLOCK))
+        with open(store.path(rel), "rb", buffering=0) as f:
+            try:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except (AttributeError, OSError):
+                pass
+            while n := f.readinto(view):
+                h.update(view[:n])
+                size += n
+                if progress:
+                    progress(n)
+    else:
+        with store.open_file(rel, "rb", block_size=_BLOCK) as f:
+            while chunk := f.read(_BLOCK):
+                h.update(chunk)
+                size += len(chunk)
+                if progress:
+                    progress(len(chunk))
+    return size, h.hexdigest()
+
+
+def hash_files(store: Store, rels: Iterable[str], *, workers: int = 2,
+               progress: Callable[[int], Any] | None = None) -> dict[str, tuple[int, str]]:
+    """Hash many files in parallel (xxhash releases the GIL). Missing files raise."""
+    rels = list(rels)
+    if workers <= 1 or len(rels) <= 1:
+        return {r: hash_file(store, r, progress) for r in rels}
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return dict(zip(rels, pool.map(lambda r: hash_file(store, r, progress), rels)))
+
+
+def build_manifest(store: Store, fmt: str, *, files: Iterable[str] | None = None,
+                   hashes: dict[str, tuple[int, str]] | None = None, **fields) -> Manifest:
+    """A manifest over ``files`` (default: every file in ``store``), hashing what is not given."""
+    rels = sorted(files if files is not None else
+                  (f for f in store.files() if f != MANIFEST))
+    known = dict(hashes or {})
+    missing = [r for r in rels if r not in known]
+    known.update(hash_files(store, missing))
+    entries = [FileEntry(r, known[r][0], known[r][1]) for r in rels]
+    return Manifest(format=fmt, files=entries, **fields)

@@ -1,0 +1,149 @@
+"""Loading pickles from checkpoints without executing them.
+
+A pickle can run any code, and checkpoints come from other people's jobs. Every ``.pt``
+file goes through ``torch.load(weights_only=True)`` with an explicit allowlist, and DCP's
+``.metadata`` through a restricted unpickler that admits only DCP's own metadata classes.
+``trust_pickle(True)`` (the CLI's ``--trust-pickle``) is the only way past it.
+
+A class outside the allowlist is never imported: the load fails with
+:class:`~ckptool.core.errors.UnsafePickle`, which names the class, or, for non-tensor
+objects that are only carried along, the bytes are kept opaque (:class:`Opaque`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import pickle
+import re
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+from ckptool.core.errors import UnsafePickle
+
+_TRUST = False
+
+TRUST_HINT = "Pass --trust-pickle only if you trust whoever wrote this file"
+
+
+def trust_pickle(value: bool) -> None:
+    """Allow full unpickling (arbitrary code) for this process. Off by default."""
+    global _TRUST
+    _TRUST = bool(value)
+
+
+def pickle_trusted() -> bool:
+    return _TRUST
+
+
+@dataclass(frozen=True, slots=True)
+class Opaque:
+    """A pickled object whose classes are not on the allowlist, kept as raw bytes."""
+
+    data: bytes
+    reason: str
+
+    def __repr__(self) -> str:
+        return f"<opaque pickle, {len(self.data)} bytes: {self.reason}>"
+
+
+# DCP's `.metadata`: the classes torch.distributed.checkpoint itself writes.
+_DCP_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                 "ChunkStorageMetadata", "TensorProperties", "MetadataIndex", "StorageMeta",
+                 "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch.distributed.checkpoint.planner", "LoadItemType"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file: BinaryIO, allowed: set[tuple[str, str]], source: str):
+        super().__init__(file)
+        self._allowed = allowed
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._allowed:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                          torch.memory_format)):
+            return getattr(torch, name)
+        raise UnsafePickle(f"refusing to unpickle {module}.{name}: it is not on the allowlist",
+                           path=self._source, hint=TRUST_HINT)
+
+
+def load_dcp_metadata(data: bytes, source: str) -> Any:
+    """Unpickle a DCP ``.metadata`` file, admitting only DCP's metadata classes."""
+    if _TRUST:
+        return pickle.loads(data)  # noqa: S301 - the user asked for it (--trust-pickle)
+    return _RestrictedUnpickler(io.BytesIO(data), _DCP_CLASSES, source).load()
+
+
+# torch.load(weights_only=True) already admits tensors, dtypes and containers. What real
+# checkpoints add: Megatron's args Namespace and numpy RNG state.
+def _extra_safe_globals() -> list:
+    extra: list[Any] = [argparse.Namespace]
+    try:
+        import numpy as np
+
+        core = getattr(np, "_core", None) or np.core
+        extra += [core.multiarray._reconstruct, np.ndarray, np.dtype]
+        extra += [type(np.dtype(t)) for t in ("uint32", "int64", "float32", "float64", "bool")]
+        extra += [np.dtypes.UInt32DType] if hasattr(np, "dtypes") else []
+    except Exception:  # numpy missing or very old: its RNG states then stay opaque
+        pass
+    return extra
+
+
+_SAFE_GLOBALS = _extra_safe_globals()
+_BLOCKED = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def torch_load(data: bytes | BinaryIO, source: str, *, mmap: bool = False) -> Any:
+    """``torch.load`` on CPU with the allowlist; raises UnsafePickle naming the class."""
+    try:
+        with torch.serialization.safe_globals(_SAFE_GLOBALS):
+            stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+            return torch.load(stream, map_location="cpu", weights_only=not _TRUST, mmap=mmap or None)
+    except pickle.UnpicklingError as exc:
+        found = _BLOCKED.search(str(exc))
+        what = found.group(1) if found else "a class"
+        raise UnsafePickle(f"refusing to unpickle {what}: it is not on the allowlist",
+                           path=source, hint=TRUST_HINT) from None
+
+
+def torch_load_or_opaque(data: bytes, source: str) -> Any:
+    """Like :func:`torch_load`, but an object outside the allowlist comes back as Opaque."""
+    try:
+        return torch_load(data, source)
+    except UnsafePickle as exc:
+        return Opaque(bytes(data), exc.message)
+
+
+@contextlib.contextmanager
+def trusted(value: bool = True):
+    """Temporarily change the trust setting (tests, and the CLI's --trust-pickle)."""
+    global _TRUST
+    old, _TRUST = _TRUST, value
+    try:
+        yield
+    finally:
+        _TRUST = old

@@ -1,0 +1,230 @@
+"""Storage through fsspec, and atomic output.
+
+Paths are str rather than Path because a checkpoint may live at a URL (``s3://...``,
+``memory://...``) that Path would mangle. Every URL is opened through
+``fsspec.core.url_to_fs`` so that fsspec's own configuration (``FSSPEC_S3_ENDPOINT_URL``
+and friends, config files) applies.
+
+Atomicity is a named object, not scattered protocol checks:
+
+* :class:`RenameOutput` (POSIX): write into ``NAME.tmp-<id>/``, write the manifest last,
+  then rename to ``NAME``. A crash leaves only a ``.tmp-`` directory, which nothing reads.
+* :class:`MarkerOutput` (object stores, no atomic rename): write in place; the manifest,
+  written last, is the commit marker. Readers ignore a prefix without it.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from ckptool.core.errors import UnreadableInput, UsageError
+
+TMP_MARK = ".tmp-"
+_TMP_RE = re.compile(r"\.tmp-[0-9a-zA-Z]+$")
+_STORAGE_OPTIONS: dict[str, Any] = {}
+
+
+def set_storage_options(options: dict[str, Any]) -> None:
+    """Extra fsspec storage options for every URL this process opens (--storage-option)."""
+    _STORAGE_OPTIONS.clear()
+    _STORAGE_OPTIONS.update(options)
+
+
+def is_temporary(name: str) -> bool:
+    """True for the name of an uncommitted output directory or file (``X.tmp-<id>``)."""
+    return bool(_TMP_RE.search(name.rstrip("/")))
+
+
+@dataclass
+class Store:
+    """A directory on some fsspec filesystem. All paths given to methods are relative."""
+
+    url: str
+    fs: fsspec.AbstractFileSystem = field(repr=False)
+    root: str = field(repr=False)
+
+    @classmethod
+    def open(cls, url: str) -> "Store":
+        url = str(url)
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **_STORAGE_OPTIONS)
+        except (ImportError, ValueError) as exc:
+            raise UsageError(f"cannot open {url}: {exc}") from None
+        return cls(url.rstrip("/") if len(url) > 1 else url, fs, root.rstrip("/") or root)
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.root.rstrip("/"))
+
+    def path(self, rel: str = "") -> str:
+        return posixpath.join(self.root, rel) if rel else self.root
+
+    def child(self, rel: str) -> "Store":
+        return Store(_join_url(self.url, rel), self.fs, self.path(rel))
+
+    def parent(self) -> "Store":
+        parent_root = posixpath.dirname(self.root.rstrip("/"))
+        parent_url = self.url.rstrip("/").rsplit("/", 1)[0] if "/" in self.url else "."
+        return Store(parent_url, self.fs, parent_root)
+
+    def exists(self, rel: str = "") -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def isdir(self, rel: str = "") -> bool:
+        return self.fs.isdir(self.path(rel))
+
+    def size(self, rel: str) -> int:
+        return int(self.fs.size(self.path(rel)))
+
+    def ls(self, rel: str = "") -> list[tuple[str, bool]]:
+        """(name, is_dir) of the entries directly under ``rel``; [] when it is missing."""
+        try:
+            entries = self.fs.ls(self.path(rel), detail=True, refresh=True) \
+                if not self.is_local else self.fs.ls(self.path(rel), detail=True)
+        except FileNotFoundError:
+            return []
+        base = self.path(rel).rstrip("/")
+        out = []
+        for e in entries:
+            name = e["name"].rstrip("/")
+            if name == base:
+                continue
+            out.append((posixpath.basename(name), e["type"] == "directory"))
+        return sorted(out)
+
+    def files(self) -> dict[str, int]:
+        """Every file below this store: relative path -> size."""
+        found = self.fs.find(self.root, detail=True, withdirs=False)
+        prefix = self.root.rstrip("/") + "/"
+        return {name[len(prefix):]: int(info["size"]) for name, info in found.items()
+                if name.startswith(prefix)}
+
+    def open_file(self, rel: str, mode: str = "rb", **kwargs):
+        try:
+            return self.fs.open(self.path(rel), mode, **kwargs)
+        except FileNotFoundError:
+            raise UnreadableInput("file not found", path=_join_url(self.url, rel)) from None
+
+    def read_bytes(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
+        try:
+            return self.fs.cat_file(self.path(rel), start=start, end=end)
+        except FileNotFoundError:
+            raise UnreadableInput("file not found", path=_join_url(self.url, rel)) from None
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        with self.fs.open(self.path(rel), "wb") as f:
+            f.write(data)
+
+    def display(self, rel: str = "") -> str:
+        return _join_url(self.url, rel) if rel else self.url
+
+    def walk_dirs(self) -> Iterator[str]:
+        for dirpath, _, _ in self.fs.walk(self.root):
+            yield dirpath
+
+
+def _join_url(url: str, rel: str) -> str:
+    return url.rstrip("/") + "/" + rel if rel else url
+
+
+class AtomicOutput:
+    """Where a writer puts a new checkpoint, and how it becomes visible.
+
+    ``store`` is where files go while writing; ``commit(write_manifest)`` makes the result
+    visible, calling ``write_manifest(store)`` as the last write; ``abort()`` removes what
+    was written.
+    """
+
+    final: Store
+    store: Store
+
+    def commit(self, write_manifest) -> Store:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        try:
+            self.store.fs.rm(self.store.root, recursive=True)
+        except FileNotFoundError:
+            pass
+
+
+class RenameOutput(AtomicOutput):
+    """POSIX: write to ``NAME.tmp-<id>/`` and rename into place."""
+
+    def __init__(self, final: Store):
+        self.final = final
+        tmp_root = f"{final.root}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+        self.store = Store(f"{final.url}{tmp_root[len(final.root):]}", final.fs, tmp_root)
+        final.fs.makedirs(tmp_root, exist_ok=False)
+
+    def commit(self, write_manifest) -> Store:
+        write_manifest(self.store)
+        _fsync_dir(self.store.root)
+        os.rename(self.store.root, self.final.root)
+        _fsync_dir(os.path.dirname(self.final.root) or ".")
+        return self.final
+
+
+class MarkerOutput(AtomicOutput):
+    """Object stores: write in place; the manifest written last is the commit marker."""
+
+    def __init__(self, final: Store):
+        self.final = final
+        self.store = final
+
+    def commit(self, write_manifest) -> Store:
+        write_manifest(self.store)
+        return self.final
+
+
+def atomic_output(url: str, *, overwrite: bool = False) -> AtomicOutput:
+    """The right atomic output for ``url``. Refuses an existing destination unless asked."""
+    final = Store.open(url)
+    if final.exists():
+        if not overwrite:
+            raise UsageError(f"destination {final.url} already exists",
+                             hint="Choose a new path or pass --overwrite")
+        final.fs.rm(final.root, recursive=True)
+    if final.is_local:
+        final.fs.makedirs(posixpath.dirname(final.root) or ".", exist_ok=True)
+        return RenameOutput(final)
+    return MarkerOutput(final)
+
+
+def write_file_atomically(store: Store, rel: str, data: bytes) -> None:
+    """Replace one file so that readers see the old or the new content, never a torn one."""
+    if store.is_local:
+        tmp = store.path(f"{rel}{TMP_MARK}{uuid.uuid4().hex[:12]}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, store.path(rel))
+        _fsync_dir(os.path.dirname(store.path(rel)))
+    else:
+        store.write_bytes(rel, data)  # a single PUT is atomic on object stores
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

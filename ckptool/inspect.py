@@ -1,0 +1,60 @@
+"""``ckptool inspect``: what a checkpoint holds, without reading tensor data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ckptool.checkpoint import open_checkpoint
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSummary:
+    key: str
+    shape: list[int]
+    dtype: str
+    bytes: int
+    pieces: int
+
+
+@dataclass(frozen=True, slots=True)
+class InspectResult:
+    path: str
+    format: str
+    format_version: str | None
+    committed: bool | None
+    """True with a manifest; False when ckptool wrote it without committing; None if foreign."""
+    topology: dict | None
+    iteration: int | None
+    model_config: dict | None
+    true_vocab_size: int | None
+    tensor_count: int
+    object_count: int
+    total_bytes: int
+    bytes_by_dtype: dict[str, int]
+    largest: list[TensorSummary] = field(default_factory=list)
+    objects: list[str] = field(default_factory=list)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def inspect(url: str, *, top: int = 10) -> InspectResult:
+    """Summarize the checkpoint at ``url`` (a checkpoint directory or a run root)."""
+    opened = open_checkpoint(url)
+    index = opened.index
+    by_dtype: dict[str, int] = {}
+    for t in index.tensors.values():
+        by_dtype[_dtype_name(t.dtype)] = by_dtype.get(_dtype_name(t.dtype), 0) + t.nbytes
+    largest = sorted(index.tensors.values(), key=lambda t: (-t.nbytes, t.key))[:top]
+    committed = True if opened.manifest else (False if index.written_by_ckptool else None)
+    return InspectResult(
+        path=opened.store.url, format=opened.format, format_version=index.format_version,
+        committed=committed, topology=index.topology.to_dict() if index.topology else None,
+        iteration=index.iteration, model_config=index.model_config,
+        true_vocab_size=index.true_vocab_size, tensor_count=len(index.tensors),
+        object_count=len(index.objects), total_bytes=sum(by_dtype.values()),
+        bytes_by_dtype=dict(sorted(by_dtype.items(), key=lambda kv: -kv[1])),
+        largest=[TensorSummary(t.key, list(t.shape), _dtype_name(t.dtype), t.nbytes, len(t.pieces))
+                 for t in largest],
+        objects=sorted(index.objects))

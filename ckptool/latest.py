@@ -1,0 +1,76 @@
+"""``ckptool latest``: the newest checkpoint under a run root that passes verify.
+
+The choice itself is a pure policy over (candidate, verdict) pairs; the I/O is in
+:func:`latest`. Newer candidates that were skipped are reported with the reason, so a
+restart script can log why it went back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import converters
+from ckptool.checkpoint import Candidate, candidates
+from ckptool.core.errors import CkptoolError, NoCheckpoint
+from ckptool.core.manifest import read_manifest
+from ckptool.core.storage import Store
+from ckptool.verify import verify
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LatestResult:
+    path: str
+    format: str
+    iteration: int | None
+    verified: bool
+    skipped: list[Skipped] = field(default_factory=list)
+
+
+def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
+    """The newest valid checkpoint under ``root``; raises NoCheckpoint when there is none."""
+    store = Store.open(root)
+    if not store.exists():
+        raise NoCheckpoint("run root does not exist", path=store.url)
+    if converters.detect(store) is not None:
+        found = [Candidate(store, False, (0, store.name))]  # ROOT is itself a checkpoint
+    else:
+        found = candidates(store)
+    skipped: list[Skipped] = []
+    for cand in found:
+        if cand.temporary:
+            skipped.append(Skipped(cand.store.url, "not committed: temporary output of an "
+                                   "unfinished write"))
+            continue
+        reason, fmt, iteration = _judge(cand.store, verify_checkpoints)
+        if reason is None:
+            return LatestResult(cand.store.url, fmt, iteration, verify_checkpoints, skipped)
+        skipped.append(Skipped(cand.store.url, reason))
+    error = NoCheckpoint("no valid checkpoint found", path=store.url,
+                         hint=f"{len(skipped)} candidate(s) skipped, see above" if skipped else
+                         "The directory holds no checkpoint")
+    error.skipped = skipped
+    raise error
+
+
+def _judge(store: Store, full: bool) -> tuple[str | None, str, int | None]:
+    """(reason to skip or None, format, iteration)."""
+    try:
+        if full:
+            report = verify(store.url)
+            if not report.ok:
+                return report.problems[0].one_line(), report.format, None
+        fmt = converters.require_format(store)
+        manifest = read_manifest(store)
+        if manifest is None and not full:
+            index = converters.reader(fmt).read_index(store)
+            if index.written_by_ckptool:
+                return "not committed: ckptool.json is missing", fmt, None
+        return None, fmt, manifest.iteration if manifest else None
+    except CkptoolError as exc:
+        return exc.one_line(), "?", None

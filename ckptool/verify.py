@@ -1,0 +1,231 @@
+"""``ckptool verify``: is this checkpoint whole, committed and uncorrupted?
+
+Checks, in order:
+
+1. the manifest (if any): every file it lists is present, with its size and xxh3-128 hash;
+   files it does not list are *warnings* (they do not change any data ckptool reads, and
+   parallel filesystems leave such files, e.g. NFS ``.nfs*``); ``strict=True`` makes them
+   errors;
+2. the format's own metadata: every file it names is present and long enough;
+3. every global tensor is covered exactly once by its stored pieces;
+4. with ``deep``: every piece reads back with its declared shape and dtype, and holds no
+   NaN/Inf (reported per tensor with counts); every object can be read.
+
+A checkpoint that ckptool wrote (the format's metadata carries ckptool's mark) without a
+manifest was never committed: that is an error. A foreign checkpoint without a manifest
+is checked on its structure and reported as unsealed; ``seal=True`` then writes one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+import converters
+from ckptool.checkpoint import merge_manifest, resolve
+from ckptool.core.errors import BadCheckpoint, CkptoolError, UsageError
+from ckptool.core.index import CheckpointIndex, Reader
+from ckptool.core.manifest import MANIFEST, Manifest, build_manifest, hash_files, read_manifest, \
+    write_manifest
+from ckptool.core.regions import coverage_problems
+from ckptool.core.safe_pickle import Opaque
+from ckptool.core.storage import Store, is_temporary
+
+Progress = Callable[[int], object]
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    kind: str
+    """missing, size, checksum, uncommitted, metadata, coverage, unreadable, nonfinite, extra."""
+    message: str
+    file: str | None = None
+    key: str | None = None
+
+    def one_line(self) -> str:
+        where = ", ".join(x for x in (self.file, f"tensor {self.key!r}" if self.key else None) if x)
+        return f"{self.message} ({where})" if where else self.message
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    path: str
+    format: str
+    ok: bool
+    committed: bool | None
+    """True: manifest present; False: ckptool-written without one; None: foreign, unsealed."""
+    sealed: bool
+    """A manifest was written by this run (``--seal``)."""
+    deep: bool
+    files_checked: int
+    bytes_hashed: int
+    tensors: int
+    pieces_read: int
+    problems: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+
+@dataclass
+class _Check:
+    store: Store
+    problems: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)
+    bad_files: set = field(default_factory=set)
+    bytes_hashed: int = 0
+    pieces_read: int = 0
+
+    def add(self, kind: str, message: str, rel: str | None = None, key: str | None = None):
+        file = self.store.display(rel) if rel else None
+        self.problems.append(Problem(kind, message, file, key))
+        if rel:
+            self.bad_files.add(rel)
+
+    def add_error(self, exc: CkptoolError, kind: str):
+        if exc.path and any(exc.path == self.store.display(f) for f in self.bad_files):
+            return  # already reported as missing/truncated
+        self.problems.append(Problem(kind, exc.message, exc.path, exc.key))
+
+
+def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = False,
+           workers: int = 2, progress: Progress | None = None) -> VerifyReport:
+    """Verify the checkpoint at ``url`` (a checkpoint directory or a run root)."""
+    store = resolve(url)
+    fmt = converters.require_format(store)
+    deep = deep or seal
+    check = _Check(store)
+    actual = store.files()
+    try:
+        manifest = read_manifest(store)
+    except BadCheckpoint as exc:
+        manifest = None
+        check.add_error(exc, "manifest")
+    if manifest is not None:
+        _check_manifest(check, manifest, actual, strict, workers, progress)
+
+    reader = converters.reader(fmt)
+    index = None
+    try:
+        index = merge_manifest(reader.read_index(store), manifest)
+    except BadCheckpoint as exc:
+        check.add_error(exc, "metadata")
+    committed: bool | None = True if manifest is not None else None
+    if index is not None:
+        if manifest is None and index.written_by_ckptool:
+            committed = False
+            check.add("uncommitted", f"not committed: {MANIFEST} is missing, so its writer never "
+                      "finished", MANIFEST)
+        _check_structure(check, index, actual)
+        if deep:
+            _check_deep(check, reader, index, progress)
+    elif manifest is None and check.problems == []:
+        committed = None
+
+    sealed = False
+    if seal and not check.problems:
+        sealed = _seal(store, fmt, index, manifest)
+    return VerifyReport(
+        path=store.url, format=fmt, ok=not check.problems, committed=committed, sealed=sealed,
+        deep=deep, files_checked=len(actual), bytes_hashed=check.bytes_hashed,
+        tensors=len(index.tensors) if index else 0, pieces_read=check.pieces_read,
+        problems=check.problems, warnings=check.warnings)
+
+
+def _check_manifest(check: _Check, manifest: Manifest, actual: dict[str, int], strict: bool,
+                    workers: int, progress: Progress | None) -> None:
+    to_hash = []
+    for entry in manifest.files:
+        size = actual.get(entry.path)
+        if size is None:
+            check.add("missing", "file listed in the manifest is missing", entry.path)
+        elif size != entry.size:
+            what = "truncated" if size < entry.size else "longer than recorded"
+            check.add("size", f"file is {what}: {size} bytes, manifest says {entry.size}", entry.path)
+        else:
+            to_hash.append(entry)
+    hashes = hash_files(check.store, [e.path for e in to_hash], workers=workers, progress=progress)
+    for entry in to_hash:
+        size, digest = hashes[entry.path]
+        check.bytes_hashed += size
+        if digest != entry.xxh3_128:
+            check.add("checksum", "checksum mismatch: the file changed after it was committed",
+                      entry.path)
+    listed = manifest.file_map()
+    for rel in sorted(actual):
+        if rel == MANIFEST or rel in listed:
+            continue
+        problem = Problem("extra", "unexpected file, not in the manifest", check.store.display(rel))
+        (check.problems if strict else check.warnings).append(problem)
+
+
+def _check_structure(check: _Check, index: CheckpointIndex, actual: dict[str, int]) -> None:
+    for rel, least in sorted(index.files.items()):
+        if rel in check.bad_files:
+            continue
+        size = actual.get(rel)
+        if size is None:
+            check.add("missing", "data file named by the checkpoint metadata is missing", rel)
+        elif size < least:
+            check.add("size", f"data file is truncated: {size} bytes, metadata needs {least}", rel)
+    for key, tensor in index.tensors.items():
+        coverage = coverage_problems(tensor.shape, [p.region for p in tensor.pieces])
+        for text in coverage.problems:
+            check.add("coverage", text, key=key)
+
+
+def _check_deep(check: _Check, reader: Reader, index: CheckpointIndex,
+                progress: Progress | None) -> None:
+    store = check.store
+    for key, tensor in index.tensors.items():
+        nan = inf = 0
+        for piece in tensor.pieces:
+            if piece.location.file in check.bad_files:
+                continue
+            try:
+                data = reader.read_piece(store, piece, tensor.dtype)
+            except CkptoolError as exc:
+                check.add_error(exc, "unreadable")
+                continue
+            check.pieces_read += 1
+            if progress:
+                progress(data.numel() * data.element_size())
+            if data.is_floating_point() and data.numel() and not bool(torch.isfinite(data).all()):
+                nan += int(torch.isnan(data).sum())
+                inf += int(torch.isinf(data).sum())
+        if nan or inf:
+            check.add("nonfinite", f"tensor holds {nan} NaN and {inf} Inf values "
+                      f"(of {math.prod(tensor.shape)})", key=key)
+    for key, obj in index.objects.items():
+        if obj.location is not None and obj.location.file in check.bad_files:
+            continue
+        try:
+            value = reader.read_object(store, obj)
+        except CkptoolError as exc:
+            check.add_error(exc, "unreadable")
+            continue
+        if isinstance(value, Opaque):
+            check.warnings.append(Problem("opaque", f"object kept opaque: {value.reason}",
+                                          store.display(obj.location.file) if obj.location else None,
+                                          key))
+
+
+def _seal(store: Store, fmt: str, index: CheckpointIndex | None, manifest: Manifest | None) -> bool:
+    if manifest is not None:
+        return False  # already committed; nothing to do
+    if index is not None and index.written_by_ckptool:
+        raise UsageError("refusing to seal a checkpoint that ckptool wrote but never committed",
+                         path=store.url, hint="Its writer died; use an older checkpoint")
+    files = [f for f in store.files() if f != MANIFEST and not is_temporary(f)]
+    fields = {}
+    if index is not None:
+        fields = dict(iteration=index.iteration, model_config=index.model_config,
+                      true_vocab_size=index.true_vocab_size, format_version=index.format_version,
+                      topology=index.topology.to_dict() if index.topology else None)
+    write_manifest(store, build_manifest(store, fmt, files=files, sealed=True, **fields))
+    return True

@@ -1,0 +1,76 @@
+"""Checkpoint formats: one module per format, a registry by the names the CLI spells.
+
+Each module gives a :class:`ckptool.core.index.Reader` subclass. Modules are imported
+lazily, so a format's optional dependencies cost nothing until it is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ckptool.core.errors import UnknownFormat, UnsupportedFormat
+from ckptool.core.index import Reader
+from ckptool.core.manifest import MANIFEST, read_manifest
+from ckptool.core.storage import Store
+
+READERS = {
+    "dcp": "converters.dcp:DcpReader",
+    "megatron-dist": "converters.megatron_dist:MegatronDistReader",
+    "megatron": "converters.megatron:MegatronReader",
+    "deepspeed": "converters.deepspeed:DeepSpeedReader",
+    "deepspeed-universal": "converters.deepspeed_universal:UniversalReader",
+    "hf": "converters.hf:HfReader",
+}
+FORMATS = tuple(READERS)
+
+# More specific layouts first: a DeepSpeed universal checkpoint also has model-state files,
+# a Megatron torch_dist directory also has a DCP `.metadata`, and an HF Trainer DeepSpeed
+# checkpoint also has `config.json`.
+DETECT_ORDER = ("deepspeed-universal", "deepspeed", "megatron-dist", "dcp", "megatron", "hf")
+
+
+def reader_class(name: str) -> type[Reader]:
+    try:
+        module, cls = READERS[name].split(":")
+    except KeyError:
+        raise UnknownFormat(f"unknown format {name!r}",
+                            hint=f"Use one of: {', '.join(FORMATS)}") from None
+    return getattr(importlib.import_module(module), cls)
+
+
+def reader(name: str) -> Reader:
+    return reader_class(name)()
+
+
+def detect(store: Store) -> str | None:
+    """The format of the checkpoint at ``store``, or None.
+
+    A manifest names its format; otherwise each format's own layout decides.
+    """
+    manifest = read_manifest(store) if store.exists(MANIFEST) else None
+    if manifest is not None:
+        return manifest.format
+    for name in DETECT_ORDER:
+        if reader_class(name).detect(store):
+            return name
+    return None
+
+
+def require_format(store: Store) -> str:
+    """Like :func:`detect`, but explain what was found when nothing matches."""
+    if not store.exists():
+        raise UnknownFormat("no such file or directory", path=store.url)
+    fmt = detect(store)
+    if fmt is None:
+        entries = [n + ("/" if d else "") for n, d in store.ls()][:8]
+        found = ", ".join(entries) if entries else "an empty directory"
+        raise UnknownFormat(
+            f"not a checkpoint ckptool knows: found {found}", path=store.url,
+            hint=f"Expected one of {', '.join(FORMATS)} (see `ckptool --help`)")
+    return fmt
+
+
+def not_yet(fmt: str, issue: int):
+    """Raise the honest error for a detected format whose reader is still to be written."""
+    raise UnsupportedFormat(f"reading {fmt} checkpoints is not implemented yet (issue #{issue})",
+                            hint="Convert it with the framework's own tools for now")

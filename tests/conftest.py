@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """Run `ckptool ARGS...` in-process through the real entry point (exit-code mapping included)."""
+    from ckptool.cli import main
+
+    def run(*args: str) -> CliResult:
+        capsys.readouterr()
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run
+
+
+def sample_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "embedding.weight": torch.randn(96, 16, generator=g),
+            "layers.0.weight": torch.randn(16, 16, generator=g).to(torch.bfloat16),
+            "layers.0.bias": torch.randn(16, generator=g),
+            "norm.weight": torch.ones(16),
+        },
+        "optimizer": {"step": torch.tensor(12.0), "lr": 3e-4, "betas": [0.9, 0.95]},
+        "iteration": 12,
+    }
+
+
+@pytest.fixture
+def make_ckpt():
+    """Write a committed ckptool DCP checkpoint; returns its path."""
+    from converters import dcp
+
+    def make(path: Path, seed: int = 0, iteration: int = 12, state: dict | None = None) -> Path:
+        dcp.save(state if state is not None else sample_state(seed), str(path),
+                 iteration=iteration, topology={"tp": 1, "pp": 1, "dp": 1})
+        return path
+
+    return make
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_gloo(fn, world_size: int, *args):
+    """Run fn(rank, world_size, *args) in `world_size` processes over gloo on 127.0.0.1."""
+    import torch.multiprocessing as mp
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())
+    mp.spawn(_entry, args=(fn, world_size, args), nprocs=world_size, join=True)
+
+
+def _entry(rank, fn, world_size, args):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

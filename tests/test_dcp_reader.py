@@ -1,0 +1,127 @@
+"""The DCP reader against checkpoints written by plain torch.distributed.checkpoint."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckptool.checkpoint import open_checkpoint
+from ckptool.core.regions import Region, execute, plan_copies
+from ckptool.core.safe_pickle import Opaque
+from tests.conftest import spawn_gloo
+
+SHAPES = {"col": (10, 6), "row": (8, 9), "grid": (7, 5), "rep": (4,), "scalar": ()}
+
+
+def global_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    out = {k: torch.randn(s, generator=g) for k, s in SHAPES.items()}
+    out["half"] = torch.randn(6, 4, generator=g).to(torch.bfloat16)
+    return out
+
+
+def _save_dtensors(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh1 = init_device_mesh("cpu", (world,))
+    mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    t = global_tensors()
+    state = {
+        "model": {
+            "col": distribute_tensor(t["col"], mesh1, [Shard(0)]),  # 10 rows over 4: uneven
+            "row": distribute_tensor(t["row"], mesh1, [Shard(1)]),  # 9 cols over 4: uneven
+            "grid": distribute_tensor(t["grid"], mesh2, [Shard(0), Shard(1)]),
+            "rep": distribute_tensor(t["rep"], mesh1, [Replicate()]),
+            "half": distribute_tensor(t["half"], mesh2, [Replicate(), Shard(0)]),
+        },
+        "scalar": t["scalar"],
+        "extra": {"step": 42, "note": "hello", "sched": {"lr": [1e-3, 5e-4]}},
+        f"rank_rng_{rank}": {"seed": rank},
+    }
+    dcp.save(state, checkpoint_id=path)
+
+
+@pytest.fixture(scope="module")
+def dtensor_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dcp") / "ckpt"
+    spawn_gloo(_save_dtensors, 4, str(path))
+    return path
+
+
+def _reconstruct(opened, key):
+    info = opened.index.tensors[key]
+    target = Region.whole(key, info.shape)
+    out = torch.zeros(info.shape, dtype=info.dtype)
+    if out.is_floating_point():
+        out.fill_(float("nan"))  # a gap in coverage would show
+    sources = [p.region for p in info.pieces]
+    buffers = [opened.reader.read_piece(opened.store, p, info.dtype) for p in info.pieces]
+    execute(plan_copies(sources, [target]), sources, buffers, [target], [out])
+    return out
+
+
+def test_reads_every_global_tensor_of_a_4_rank_dtensor_save(dtensor_ckpt):
+    opened = open_checkpoint(str(dtensor_ckpt))
+    t = global_tensors()
+    assert opened.format == "dcp" and not opened.index.written_by_ckptool
+    expected = {f"model.{k}": t[k] for k in ("col", "row", "grid", "rep", "half")}
+    expected["scalar"] = t["scalar"]
+    assert set(opened.index.tensors) == set(expected)
+    for key, want in expected.items():
+        got = _reconstruct(opened, key)
+        assert got.dtype == want.dtype and torch.equal(got, want), key
+    # the uneven Shard(0) of 10 rows over 4 ranks: 3, 3, 3, 1
+    rows = sorted(p.region.lengths[0] for p in opened.index.tensors["model.col"].pieces)
+    assert rows == [1, 3, 3, 3]
+    assert len(opened.index.tensors["model.grid"].pieces) == 4
+
+
+def test_reads_non_tensor_entries(dtensor_ckpt):
+    opened = open_checkpoint(str(dtensor_ckpt))
+    objects = {k: opened.reader.read_object(opened.store, o) for k, o in opened.index.objects.items()}
+    assert objects["extra.step"] == 42
+    assert objects["extra.note"] == "hello"
+    assert objects["extra.sched.lr"] == [1e-3, 5e-4]
+    assert {objects[f"rank_rng_{r}.seed"] for r in range(4)} == {0, 1, 2, 3}
+
+
+def test_verify_deep_passes_on_plain_dcp_and_reports_unsealed(dtensor_ckpt, run_cli):
+    res = run_cli("verify", dtensor_ckpt, "--deep")
+    assert res.code == 0, res.err
+    assert "foreign, unsealed" in res.out
+
+
+class Custom:  # a class outside the allowlist
+    def __init__(self):
+        self.value = 3
+
+
+def test_objects_of_unknown_classes_stay_opaque(tmp_path):
+    path = tmp_path / "c"
+    dcp.save({"w": torch.ones(3), "custom": Custom()}, checkpoint_id=str(path))
+    opened = open_checkpoint(str(path))
+    value = opened.reader.read_object(opened.store, opened.index.objects["custom"])
+    assert isinstance(value, Opaque) and "Custom" in value.reason
+
+
+def test_reads_safetensors_serialization(tmp_path):
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    path = tmp_path / "st"
+    state = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.arange(5, dtype=torch.int64)}
+    dcp.save(state, storage_writer=FileSystemWriter(
+        str(path), serialization_format=SerializationFormat.SAFETENSORS))
+    opened = open_checkpoint(str(path))
+    for key, want in state.items():
+        assert torch.equal(_reconstruct(opened, key), want)
+
+
+def test_index_sizes_match_metadata(dtensor_ckpt):
+    opened = open_checkpoint(str(dtensor_ckpt))
+    for info in opened.index.tensors.values():
+        assert sum(p.region.numel for p in info.pieces) >= math.prod(info.shape)
