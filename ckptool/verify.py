@@ -113,7 +113,11 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
     index = None
     try:
         index = merge_manifest(reader.read_index(store), manifest)
-    except BadCheckpoint as exc:
+    except CkptoolError as exc:
+        # A file the manifest already condemned may fail in any way; otherwise only a
+        # bad checkpoint is a finding, and unreadable input stays exit 2.
+        if not isinstance(exc, BadCheckpoint) and not check.problems:
+            raise
         check.add_error(exc, "metadata")
     committed: bool | None = True if manifest is not None else None
     if index is not None:

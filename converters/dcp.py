@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ckptool.core.errors import BadCheckpoint, UnreadableInput
+from ckptool.core.errors import BadCheckpoint, CkptoolError, UnreadableInput
 from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo
 from ckptool.core.regions import Region
 from ckptool.core.safe_pickle import load_dcp_metadata, torch_load, torch_load_or_opaque
@@ -111,6 +111,8 @@ def read_metadata(store: Store):
     data = store.read_bytes(METADATA)
     try:
         return load_dcp_metadata(data, store.display(METADATA))
+    except CkptoolError:
+        raise
     except (EOFError, ValueError, AttributeError, ImportError, IndexError, TypeError) as exc:
         raise BadCheckpoint(f"DCP metadata cannot be parsed ({type(exc).__name__})",
                             path=store.display(METADATA)) from None

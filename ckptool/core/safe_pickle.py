@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ckptool.core.errors import UnsafePickle
+from ckptool.core.errors import BadCheckpoint, UnsafePickle
 
 _TRUST = False
 
@@ -118,16 +118,31 @@ _BLOCKED = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def torch_load(data: bytes | BinaryIO, source: str, *, mmap: bool = False) -> Any:
-    """``torch.load`` on CPU with the allowlist; raises UnsafePickle naming the class."""
+    """``torch.load`` on CPU with the allowlist.
+
+    Raises UnsafePickle naming the class when a global is not allowlisted, and
+    BadCheckpoint when the bytes are not a readable archive.
+    """
+    stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     try:
         with torch.serialization.safe_globals(_SAFE_GLOBALS):
-            stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
             return torch.load(stream, map_location="cpu", weights_only=not _TRUST, mmap=mmap or None)
     except pickle.UnpicklingError as exc:
         found = _BLOCKED.search(str(exc))
-        what = found.group(1) if found else "a class"
-        raise UnsafePickle(f"refusing to unpickle {what}: it is not on the allowlist",
+        if found is None:
+            raise BadCheckpoint(f"cannot be read: damaged pickle ({_first_line(exc)})",
+                                path=source) from None
+        raise UnsafePickle(f"refusing to unpickle {found.group(1)}: it is not on the allowlist",
                            path=source, hint=TRUST_HINT) from None
+    except (RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError,
+            UnicodeDecodeError) as exc:
+        raise BadCheckpoint(f"cannot be read: damaged archive ({_first_line(exc)})",
+                            path=source) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:160] if text else type(exc).__name__
 
 
 def torch_load_or_opaque(data: bytes, source: str) -> Any:

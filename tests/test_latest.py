@@ -1,0 +1,62 @@
+"""`ckptool latest` skips newer corrupt or uncommitted checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from tests.test_verify import _flip_byte
+
+
+def test_latest_returns_newest_valid(tmp_path, make_ckpt, run_cli):
+    make_ckpt(tmp_path / "step_000100", iteration=100)
+    good = make_ckpt(tmp_path / "step_000200", iteration=200)
+    res = run_cli("latest", tmp_path)
+    assert res.code == 0 and res.out.strip() == str(good) and res.err == ""
+
+
+def test_latest_skips_corrupt_and_uncommitted(tmp_path, make_ckpt, run_cli):
+    good = make_ckpt(tmp_path / "step_000100", iteration=100)
+    corrupt = make_ckpt(tmp_path / "step_000200", iteration=200)
+    _flip_byte(corrupt)
+    uncommitted = make_ckpt(tmp_path / "step_000300", iteration=300)
+    (uncommitted / "ckptool.json").unlink()
+    # a writer killed before its rename leaves a temporary directory
+    shutil.copytree(good, tmp_path / "step_000400.tmp-1a2b3c")
+    res = run_cli("latest", tmp_path)
+    assert res.code == 0, res.err
+    assert res.out.strip() == str(good)
+    lines = res.err.strip().splitlines()
+    assert lines[0].startswith(f"skipped {tmp_path / 'step_000400.tmp-1a2b3c'}: not committed")
+    assert lines[1].startswith(f"skipped {uncommitted}: not committed")
+    assert lines[2].startswith(f"skipped {corrupt}: checksum mismatch")
+    data = json.loads(run_cli("latest", tmp_path, "--json").out)
+    assert data["path"] == str(good) and data["iteration"] == 100
+    assert [s["path"] for s in data["skipped"]] == [
+        str(tmp_path / "step_000400.tmp-1a2b3c"), str(uncommitted), str(corrupt)]
+
+
+def test_no_verify_still_skips_uncommitted_but_not_corrupt(tmp_path, make_ckpt, run_cli):
+    make_ckpt(tmp_path / "step_000100", iteration=100)
+    corrupt = make_ckpt(tmp_path / "step_000200", iteration=200)
+    _flip_byte(corrupt)
+    res = run_cli("latest", tmp_path, "--no-verify")
+    assert res.code == 0 and res.out.strip() == str(corrupt)
+
+
+def test_latest_exits_1_when_nothing_valid(tmp_path, make_ckpt, run_cli):
+    only = make_ckpt(tmp_path / "step_000100", iteration=100)
+    _flip_byte(only)
+    res = run_cli("latest", tmp_path)
+    assert res.code == 1 and res.out == ""
+    assert "ckptool: error: no valid checkpoint found" in res.err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_cli("latest", empty).code == 1
+    assert run_cli("latest", tmp_path / "missing").code == 1
+
+
+def test_order_is_by_iteration_not_name(tmp_path, make_ckpt, run_cli):
+    make_ckpt(tmp_path / "step_9", iteration=9)
+    newest = make_ckpt(tmp_path / "step_10", iteration=10)
+    assert run_cli("latest", tmp_path).out.strip() == str(newest)

@@ -1,0 +1,215 @@
+"""Fault matrix: each fault on a committed checkpoint is detected, exit 1, and named."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.conftest import sample_state
+
+
+def _data_file(path):
+    return sorted(p for p in path.iterdir() if p.name.endswith(".distcp"))[0]
+
+
+def test_committed_checkpoint_verifies(tmp_path, make_ckpt, run_cli):
+    ckpt = make_ckpt(tmp_path / "step_12")
+    res = run_cli("verify", ckpt, "--deep")
+    assert res.code == 0, res.err
+    assert res.out.startswith("OK:") and "committed" in res.out
+    report = json.loads(run_cli("verify", ckpt, "--json").out)
+    assert report["ok"] is True and report["committed"] is True
+    assert report["problems"] == [] and report["bytes_hashed"] > 0
+
+
+def _flip_byte(path):
+    f = _data_file(path)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    return f
+
+
+def _truncate(path):
+    f = _data_file(path)
+    f.write_bytes(f.read_bytes()[:-100])
+    return f
+
+
+def _remove_shard(path):
+    f = _data_file(path)
+    f.unlink()
+    return f
+
+
+def _remove_metadata(path):
+    f = path / ".metadata"
+    f.unlink()
+    return f
+
+
+def _remove_manifest(path):
+    f = path / "ckptool.json"
+    f.unlink()
+    return f
+
+
+FAULTS = {
+    "flipped byte": (_flip_byte, "checksum mismatch"),
+    "truncated shard": (_truncate, "truncated"),
+    "missing shard": (_remove_shard, "missing"),
+    "missing .metadata": (_remove_metadata, "missing"),
+    "missing manifest": (_remove_manifest, "not committed"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fault_is_detected_and_names_the_file(tmp_path, make_ckpt, run_cli, fault):
+    ckpt = make_ckpt(tmp_path / "step_12")
+    damage, words = FAULTS[fault]
+    broken = damage(ckpt)
+    res = run_cli("verify", ckpt)
+    assert res.code == 1, (res.out, res.err)
+    assert words in res.out and str(broken) in res.out, res.out
+    assert "Traceback" not in res.out + res.err
+    report = json.loads(run_cli("verify", ckpt, "--json").out)
+    assert report["ok"] is False
+    assert any(p["file"] == str(broken) and words in p["message"] for p in report["problems"])
+
+
+def test_flipped_byte_without_manifest_is_caught_by_deep(tmp_path, run_cli):
+    """A foreign checkpoint has no hashes; --deep still notices a damaged archive."""
+    path = tmp_path / "foreign"
+    dcp.save(sample_state(), checkpoint_id=str(path))
+    f = _data_file(path)
+    data = bytearray(f.read_bytes())
+    # damage the zip directory of the first chunk so torch.load rejects it
+    data[60:80] = b"\xff" * 20
+    f.write_bytes(bytes(data))
+    assert run_cli("verify", path).code == 0  # structure alone looks fine
+    res = run_cli("verify", path, "--deep")
+    assert res.code == 1 and str(f) in res.out
+
+
+def test_extra_file_is_a_warning_or_with_strict_an_error(tmp_path, make_ckpt, run_cli):
+    ckpt = make_ckpt(tmp_path / "step_12")
+    extra = ckpt / "stray.txt"
+    extra.write_text("left by someone")
+    res = run_cli("verify", ckpt)
+    assert res.code == 0
+    assert f"warning: unexpected file, not in the manifest ({extra})" in res.err
+    strict = run_cli("verify", ckpt, "--strict")
+    assert strict.code == 1 and str(extra) in strict.out
+
+
+def test_deep_reports_nan_and_inf_with_key_and_count(tmp_path, make_ckpt, run_cli):
+    state = sample_state()
+    w = state["model"]["layers.0.bias"]
+    w[0] = float("nan")
+    w[3] = float("nan")
+    w[5] = float("inf")
+    ckpt = make_ckpt(tmp_path / "nan", state=state)
+    assert run_cli("verify", ckpt).code == 0  # hashes are fine: the bytes are as written
+    res = run_cli("verify", ckpt, "--deep")
+    assert res.code == 1
+    assert "tensor holds 2 NaN and 1 Inf values (of 16) (tensor 'model.layers.0.bias')" in res.out
+
+
+def test_seal_foreign_then_detect_damage(tmp_path, run_cli):
+    path = tmp_path / "foreign"
+    dcp.save(sample_state(), checkpoint_id=str(path))
+    res = run_cli("verify", path)
+    assert res.code == 0 and "foreign, unsealed" in res.out
+    sealed = run_cli("verify", path, "--seal")
+    assert sealed.code == 0 and "sealed now" in sealed.out
+    manifest = json.loads((path / "ckptool.json").read_text())
+    assert manifest["sealed"] is True and manifest["format"] == "dcp"
+    assert {f["path"] for f in manifest["files"]} == {".metadata", "__0_0.distcp"}
+    _flip_byte(path)
+    assert run_cli("verify", path).code == 1
+
+
+def test_seal_refuses_an_uncommitted_ckptool_checkpoint(tmp_path, make_ckpt, run_cli):
+    ckpt = make_ckpt(tmp_path / "step_12")
+    (ckpt / "ckptool.json").unlink()
+    res = run_cli("verify", ckpt, "--seal")
+    assert res.code == 1 and "not committed" in res.out
+    assert not (ckpt / "ckptool.json").exists()
+
+
+def test_unreadable_input_is_exit_2_one_line(tmp_path, run_cli):
+    res = run_cli("verify", tmp_path / "nope")
+    assert res.code == 2
+    assert res.err.strip() == f"ckptool: error: no such file or directory ({tmp_path / 'nope'})"
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("x")
+    res = run_cli("inspect", tmp_path / "junk")
+    assert res.code == 2 and len(res.err.strip().splitlines()) == 1
+    assert "not a checkpoint ckptool knows: found notes.txt" in res.err
+
+
+def test_malicious_metadata_is_refused_not_executed(tmp_path, make_ckpt, run_cli):
+    import pickle
+
+    ckpt = make_ckpt(tmp_path / "step_12")
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    (ckpt / "ckptool.json").unlink()
+    res = run_cli("verify", ckpt)
+    assert res.code == 2, (res.out, res.err)
+    assert "refusing to unpickle" in res.err and "system" in res.err and "--trust-pickle" in res.err
+    assert not marker.exists()
+
+
+def test_inspect_reports_topology_iteration_and_sizes(tmp_path, make_ckpt, run_cli):
+    ckpt = make_ckpt(tmp_path / "step_12")
+    data = json.loads(run_cli("inspect", ckpt, "--json").out)
+    assert data["format"] == "dcp" and data["iteration"] == 12 and data["committed"] is True
+    assert data["topology"]["tp"] == 1 and data["tensor_count"] == 5
+    assert data["bytes_by_dtype"] == {"float32": (96 * 16 + 16 + 16 + 1) * 4, "bfloat16": 16 * 16 * 2}
+    assert data["largest"][0]["key"] == "model.embedding.weight"
+    assert "optimizer.lr" in data["objects"]
+    human = run_cli("inspect", ckpt)
+    assert human.code == 0 and "model.embedding.weight" in human.out
+
+
+def test_verify_on_a_run_root_checks_the_newest(tmp_path, make_ckpt, run_cli):
+    make_ckpt(tmp_path / "step_10", iteration=10)
+    newest = make_ckpt(tmp_path / "step_20", iteration=20)
+    report = json.loads(run_cli("verify", tmp_path, "--json").out)
+    assert report["path"] == str(newest)
+
+
+def test_json_output_is_one_document(tmp_path, make_ckpt, run_cli):
+    ckpt = make_ckpt(tmp_path / "step_12")
+    _flip_byte(ckpt)
+    res = run_cli("verify", ckpt, "--json")
+    assert res.code == 1
+    json.loads(res.out)  # exactly one JSON document
+
+
+def test_copy_of_checkpoint_still_verifies(tmp_path, make_ckpt, run_cli):
+    """The manifest has relative paths: a moved checkpoint stays valid."""
+    ckpt = make_ckpt(tmp_path / "a" / "step_12")
+    moved = tmp_path / "b" / "step_12"
+    shutil.copytree(ckpt, moved)
+    assert run_cli("verify", moved, "--deep").code == 0
+
+
+def test_api_returns_dataclasses(tmp_path, make_ckpt):
+    import ckptool
+
+    ckpt = make_ckpt(tmp_path / "step_12")
+    report = ckptool.verify(str(ckpt), deep=True)
+    assert isinstance(report, ckptool.VerifyReport) and report.ok and report.pieces_read == 5
+    assert torch.Size([96, 16]) == torch.Size(ckptool.inspect(str(ckpt)).largest[0].shape)
