@@ -1,24 +1,30 @@
 """ckptool: checkpoints for TP x PP x DP training.
 
 The Python API mirrors the CLI; each operation returns a dataclass (``--json`` is its
-``asdict``).
+``asdict``). Names are imported lazily so that ``ckptool --version`` does not load torch.
 """
 
-from ckptool.core import VERSION as __version__
-from ckptool.core.errors import CkptoolError
-from ckptool.core.topology import Topology
-from ckptool.inspect import InspectResult, inspect
-from ckptool.latest import LatestResult, latest
-from ckptool.verify import VerifyReport, verify
+from __future__ import annotations
 
-__all__ = [
-    "__version__",
-    "CkptoolError",
-    "Topology",
-    "inspect",
-    "InspectResult",
-    "latest",
-    "LatestResult",
-    "verify",
-    "VerifyReport",
-]
+import importlib
+
+from ckptool.core import VERSION as __version__
+
+_EXPORTS = {
+    "CkptoolError": "ckptool.core.errors",
+    "Topology": "ckptool.core.topology",
+    "inspect": "ckptool.ops.inspect",
+    "InspectResult": "ckptool.ops.inspect",
+    "latest": "ckptool.ops.latest",
+    "LatestResult": "ckptool.ops.latest",
+    "verify": "ckptool.ops.verify",
+    "VerifyReport": "ckptool.ops.verify",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'ckptool' has no attribute {name!r}")

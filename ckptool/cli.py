@@ -16,8 +16,6 @@ import click
 
 from ckptool.core import VERSION
 from ckptool.core.errors import CkptoolError
-from ckptool.core.safe_pickle import trust_pickle
-from ckptool.core.storage import set_storage_options
 
 
 class Output:
@@ -90,6 +88,9 @@ def cli(trust: bool, storage_options: dict):
     ckptool verify  /pfs/run/step_000200 --deep
     ckptool latest  /pfs/run --json
     """
+    from ckptool.core.safe_pickle import trust_pickle
+    from ckptool.core.storage import set_storage_options
+
     trust_pickle(trust)
     set_storage_options(storage_options)
 
@@ -103,7 +104,7 @@ def inspect(ckpt: str, top: int, as_json: bool, quiet: bool):
 
     CKPT is a checkpoint directory or a run root (its newest checkpoint is shown).
     """
-    from ckptool.inspect import inspect as run
+    from ckptool.ops.inspect import inspect as run
 
     out = Output(as_json, quiet)
     res = run(ckpt, top=top)
@@ -143,7 +144,7 @@ def verify(ckpt: str, deep: bool, seal: bool, strict: bool, workers: int, as_jso
     Exit 0 when it is sound, 1 when it is not (each problem names the file and the tensor),
     2 when CKPT cannot be read at all. CKPT is a checkpoint directory or a run root.
     """
-    from ckptool.verify import verify as run
+    from ckptool.ops.verify import verify as run
 
     out = Output(as_json, quiet)
     bar = out.progress(_total_bytes(ckpt), "verify") if not as_json else None
@@ -184,7 +185,7 @@ def latest(root: str, no_verify: bool, as_json: bool, quiet: bool):
     when there is none.
     """
     from ckptool.core.errors import NoCheckpoint
-    from ckptool.latest import latest as run
+    from ckptool.ops.latest import latest as run
 
     out = Output(as_json, quiet)
     try:

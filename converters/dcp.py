@@ -52,7 +52,7 @@ class DcpReader(Reader):
             index.files[info.relative_path] = max(index.files.get(info.relative_path, 0), end)
 
         for key, entry in meta.state_dict_metadata.items():
-            if type(entry).__name__ == "BytesStorageMetadata":
+            if entry.chunks is None:  # BytesStorageMetadata
                 info = by_fqn.get((key, None))
                 index.objects[key] = ObjectInfo(key, _location(info) if info else None)
                 continue
@@ -197,12 +197,13 @@ def storage_writer(store: Store, **kwargs):
 
 
 def save(state_dict: dict, url: str, *, overwrite: bool = False, process_group=None,
-         **manifest_fields) -> str:
+         writer_options: dict | None = None, **manifest_fields) -> str:
     """Save ``state_dict`` as a committed DCP checkpoint at ``url`` (synchronous).
 
     Writes into a temporary directory (or in place on object stores), then the manifest,
     then renames. ``manifest_fields`` go into the manifest (topology, model_config,
-    iteration, true_vocab_size).
+    iteration, true_vocab_size); ``writer_options`` go to DCP's storage writer
+    (e.g. ``thread_count``).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -211,7 +212,8 @@ def save(state_dict: dict, url: str, *, overwrite: bool = False, process_group=N
 
     out = atomic_output(url, overwrite=overwrite)
     try:
-        dcp.save(state_dict, storage_writer=storage_writer(out.store), process_group=process_group)
+        dcp.save(state_dict, storage_writer=storage_writer(out.store, **(writer_options or {})),
+                 process_group=process_group)
         version = getattr(read_metadata(out.store), "version", None)
         manifest = build_manifest(out.store, NAME, format_version=version, **manifest_fields)
         out.commit(lambda s: write_manifest(s, manifest))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -23,7 +24,7 @@ from ckptool.core.storage import Store, write_file_atomically
 MANIFEST = "ckptool.json"
 MANIFEST_VERSION = 1
 HASH = "xxh3-128"
-_BLOCK = 8 << 20
+_BLOCK = 64 << 20
 
 
 def _creator() -> str:
@@ -123,17 +124,21 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
     h = xxhash.xxh3_128()
     size = 0
     if store.is_local:
-        view = memoryview(bytearray(_BLOCK))
-        with open(store.path(rel), "rb", buffering=0) as f:
-            try:
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            except (AttributeError, OSError):
-                pass
-            while n := f.readinto(view):
-                h.update(view[:n])
-                size += n
-                if progress:
-                    progress(n)
+        # Hash straight from the page cache through mmap: one pass over memory, no copy,
+        # which is faster than `cat` reading the same file.
+        with open(store.path(rel), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size:
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                    if hasattr(m, "madvise"):
+                        m.madvise(mmap.MADV_SEQUENTIAL)
+                    with memoryview(m) as view:
+                        for start in range(0, size, _BLOCK):
+                            block = view[start:start + _BLOCK]
+                            h.update(block)
+                            if progress:
+                                progress(len(block))
+                            block.release()
     else:
         with store.open_file(rel, "rb", block_size=_BLOCK) as f:
             while chunk := f.read(_BLOCK):

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import io
 import pickle
+import posixpath
 import re
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -50,39 +51,89 @@ class Opaque:
         return f"<opaque pickle, {len(self.data)} bytes: {self.reason}>"
 
 
-# DCP's `.metadata`: the classes torch.distributed.checkpoint itself writes.
-_DCP_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                 "ChunkStorageMetadata", "TensorProperties", "MetadataIndex", "StorageMeta",
-                 "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
-    ("torch.distributed.checkpoint.planner", "WriteItemType"),
-    ("torch.distributed.checkpoint.planner", "LoadItemType"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
+class _Record:
+    """Stand-in for a DCP metadata class: holds the pickled state as attributes.
+
+    DCP's own classes are never imported or run to read ``.metadata`` (importing
+    torch.distributed.checkpoint alone costs a second of start-up).
+    """
+
+    def __init__(self, *args):
+        self._args = args
+
+    def __setstate__(self, state):
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        elif isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            self.__dict__.update(state[1])  # (dict state, slots state)
+            if isinstance(state[0], dict):
+                self.__dict__.update(state[0])
+        else:
+            self._state = state
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None  # optional fields absent from older versions
+
+    def __hash__(self):
+        return hash((type(self).__name__, tuple(sorted((k, _hashable(v)) for k, v in self.__dict__.items()))))
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+class _TensorProperties(_Record):
+    """DCP pickles TensorProperties as a tuple: (dtype, layout, requires_grad, memfmt, pin)."""
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple):
+            self.dtype = state[0]
+        else:
+            super().__setstate__(state)
+
+
+def _path(*parts) -> str:
+    """pathlib paths pickle as their parts; keep them as a plain string."""
+    return posixpath.join(*map(str, parts)) if parts else ""
+
+
+_DCP_STANDINS: dict[tuple[str, str], type] = {
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"): _TensorProperties,
+    **{("torch.distributed.checkpoint.metadata", name): type(name, (_Record,), {})
+       for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                    "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
+    **{("torch.distributed.checkpoint.filesystem", name): type(name, (_Record,), {})
+       for name in ("_StorageInfo", "_StoragePrefix")},
+    **{("torch.distributed.checkpoint.planner", name): type(name, (_Record,), {})
+       for name in ("WriteItemType", "LoadItemType")},
+}
+_PLAIN = {
+    ("torch", "Size"): tuple,
+    ("torch.serialization", "_get_layout"): str,
+    ("collections", "OrderedDict"): dict,
+    ("pathlib", "PosixPath"): _path,
+    ("pathlib", "PurePosixPath"): _path,
+    ("pathlib", "WindowsPath"): _path,
+    ("pathlib", "PureWindowsPath"): _path,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
 }
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file: BinaryIO, allowed: set[tuple[str, str]], source: str):
+    def __init__(self, file: BinaryIO, source: str):
         super().__init__(file)
-        self._allowed = allowed
         self._source = source
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._allowed:
-            return super().find_class(module, name)
+        found = _DCP_STANDINS.get((module, name)) or _PLAIN.get((module, name))
+        if found is not None:
+            return found
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
                                                                           torch.memory_format)):
             return getattr(torch, name)
@@ -91,10 +142,12 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 def load_dcp_metadata(data: bytes, source: str) -> Any:
-    """Unpickle a DCP ``.metadata`` file, admitting only DCP's metadata classes."""
-    if _TRUST:
-        return pickle.loads(data)  # noqa: S301 - the user asked for it (--trust-pickle)
-    return _RestrictedUnpickler(io.BytesIO(data), _DCP_CLASSES, source).load()
+    """Unpickle a DCP ``.metadata`` into plain stand-in records; nothing else is admitted.
+
+    Records keep DCP's attribute names (``state_dict_metadata``, ``storage_data``,
+    ``chunks``, ``offsets``...), so readers use them as DCP documents them.
+    """
+    return _RestrictedUnpickler(io.BytesIO(data), source).load()
 
 
 # torch.load(weights_only=True) already admits tensors, dtypes and containers. What real

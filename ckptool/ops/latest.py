@@ -14,7 +14,7 @@ from ckptool.checkpoint import Candidate, candidates
 from ckptool.core.errors import CkptoolError, NoCheckpoint
 from ckptool.core.manifest import read_manifest
 from ckptool.core.storage import Store
-from ckptool.verify import verify
+from ckptool.ops.verify import verify
 
 
 @dataclass(frozen=True, slots=True)
