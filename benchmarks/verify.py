@@ -8,6 +8,7 @@ save has), then times, best of --repeat, with the page cache warmed by a first `
 * `cat FILES > /dev/null`                    the baseline: just reading the bytes
 * ckptool.verify() in-process                hash every file (xxh3-128) + structure checks
 * `ckptool verify` as a command              the same plus interpreter and torch start-up
+* `python -c "import torch"`                 that start-up alone (a fixed cost, ~2 s here)
 * ckptool.verify(deep=True) in-process       also read back every piece, NaN/Inf scan
 
 and prints each as a ratio to `cat`. Target: verify <= 1.3x cat.
@@ -78,8 +79,8 @@ def main() -> None:
         def verify_cli():
             subprocess.run([ckptool_bin, "verify", "-q", str(ckpt)], check=True)
 
-        def startup():
-            subprocess.run([ckptool_bin, "--version"], check=True, stdout=subprocess.DEVNULL)
+        def startup():  # the fixed cost every torch-based tool pays
+            subprocess.run([sys.executable, "-c", "import torch"], check=True)
 
         def verify_deep():
             assert ckptool.verify(str(ckpt), deep=True).ok
@@ -94,12 +95,12 @@ def main() -> None:
         print(f"{'what':<34}{'seconds':>9}{'GB/s':>8}{'x cat':>8}")
         for name, sec in [("cat > /dev/null", t_cat), ("ckptool.verify() (hash)", t_api),
                           ("ckptool verify (command)", t_cli),
-                          ("  of which start-up (--version)", t_start),
+                          ("  of which `import torch`", t_start),
                           ("ckptool.verify(deep=True)", t_deep)]:
             print(f"{name:<34}{sec:>9.3f}{gb / sec:>8.2f}{sec / t_cat:>8.2f}")
         verdict = "meets" if t_api <= 1.3 * t_cat else "MISSES"
         print(f"verify/cat ratio {t_api / t_cat:.2f} ({verdict} the 1.3x target); "
-              f"command minus start-up {(t_cli - t_start) / t_cat:.2f}x cat")
+              f"command minus `import torch` {(t_cli - t_start) / t_cat:.2f}x cat")
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -19,6 +19,7 @@ is checked on its structure and reported as unsealed; ``seal=True`` then writes 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -127,7 +128,7 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
                       "finished", MANIFEST)
         _check_structure(check, index, actual)
         if deep:
-            _check_deep(check, reader, index, progress)
+            _check_deep(check, reader, index, progress, workers)
     elif manifest is None and check.problems == []:
         committed = None
 
@@ -184,27 +185,41 @@ def _check_structure(check: _Check, index: CheckpointIndex, actual: dict[str, in
 
 
 def _check_deep(check: _Check, reader: Reader, index: CheckpointIndex,
-                progress: Progress | None) -> None:
+                progress: Progress | None, workers: int = 2) -> None:
     store = check.store
-    for key, tensor in index.tensors.items():
+
+    def scan(item):
+        key, piece, dtype = item
+        try:
+            data = reader.read_piece(store, piece, dtype)
+        except CkptoolError as exc:
+            return key, exc, 0, 0, 0
         nan = inf = 0
-        for piece in tensor.pieces:
-            if piece.location.file in check.bad_files:
-                continue
-            try:
-                data = reader.read_piece(store, piece, tensor.dtype)
-            except CkptoolError as exc:
-                check.add_error(exc, "unreadable")
+        # Fast path: NaN and Inf propagate through a sum (20x cheaper than isfinite). A sum
+        # that merely overflows falls through to the exact count, which then finds none.
+        if data.is_floating_point() and data.numel() and not bool(torch.isfinite(data.sum())):
+            nan, inf = int(torch.isnan(data).sum()), int(torch.isinf(data).sum())
+        return key, None, nan, inf, data.numel() * data.element_size()
+
+    items = [(key, piece, t.dtype) for key, t in index.tensors.items() for piece in t.pieces
+             if piece.location.file not in check.bad_files]
+    counts: dict[str, list[int]] = {}
+    # Reading and scanning release the GIL: pieces go through a small thread pool, in order.
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for key, error, nan, inf, nbytes in pool.map(scan, items):
+            if error is not None:
+                check.add_error(error, "unreadable")
                 continue
             check.pieces_read += 1
             if progress:
-                progress(data.numel() * data.element_size())
-            if data.is_floating_point() and data.numel() and not bool(torch.isfinite(data).all()):
-                nan += int(torch.isnan(data).sum())
-                inf += int(torch.isinf(data).sum())
+                progress(nbytes)
+            c = counts.setdefault(key, [0, 0])
+            c[0] += nan
+            c[1] += inf
+    for key, (nan, inf) in counts.items():
         if nan or inf:
             check.add("nonfinite", f"tensor holds {nan} NaN and {inf} Inf values "
-                      f"(of {math.prod(tensor.shape)})", key=key)
+                      f"(of {math.prod(index.tensors[key].shape)})", key=key)
     for key, obj in index.objects.items():
         if obj.location is not None and obj.location.file in check.bad_files:
             continue
