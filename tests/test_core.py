@@ -1,0 +1,69 @@
+"""Topology rules, the manifest format, and atomic output on POSIX and on a store without rename."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ckptool.core.errors import TopologyError, UsageError
+from ckptool.core.manifest import MANIFEST, Manifest, build_manifest
+from ckptool.core.storage import MarkerOutput, RenameOutput, Store, atomic_output
+from ckptool.core.topology import Topology
+
+
+def test_topology_world_and_rules():
+    t = Topology(tp=8, pp=2, dp=2, zero=1)
+    assert t.world == 32 and t.mp == 16 and str(t) == "TP8/PP2/DP2/ZeRO-1"
+    assert Topology.from_dict(t.to_dict()) == t
+    with pytest.raises(TopologyError, match="Topology.tp must be a positive integer, got 0"):
+        Topology(tp=0)
+    with pytest.raises(TopologyError, match="ep=3 must divide dp=4"):
+        Topology(dp=4, ep=3)
+    with pytest.raises(TopologyError, match="zero must be 0, 1, 2 or 3"):
+        Topology(zero=4)
+
+
+def test_manifest_round_trip_and_golden_fields(tmp_path):
+    (tmp_path / "a.bin").write_bytes(b"hello")
+    m = build_manifest(Store.open(str(tmp_path)), "dcp", iteration=7, topology={"tp": 2})
+    data = json.loads(m.to_json())
+    assert data["ckptool_manifest"] == 1 and data["hash"] == "xxh3-128"
+    # xxh3-128 of b"hello", pinned so the on-disk format cannot drift silently
+    assert data["files"] == [{"path": "a.bin", "size": 5,
+                              "xxh3_128": "b5e9c1ad071b3e7fc779cfaa5e523818"}]
+    assert Manifest.from_json(m.to_json(), "x").files == m.files
+
+
+def test_rename_output_is_all_or_nothing(tmp_path):
+    out = atomic_output(str(tmp_path / "ckpt"))
+    assert isinstance(out, RenameOutput)
+    out.store.write_bytes("data", b"123")
+    assert not (tmp_path / "ckpt").exists()
+    assert [p.name for p in tmp_path.iterdir()][0].startswith("ckpt.tmp-")
+    out.commit(lambda s: s.write_bytes(MANIFEST, b"{}"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    with pytest.raises(UsageError, match="already exists"):
+        atomic_output(str(tmp_path / "ckpt"))
+
+
+def test_store_without_rename_uses_the_manifest_as_commit_marker(run_cli):
+    """fsspec's memory filesystem has no atomic rename: the manifest is the marker."""
+    from converters import dcp
+
+    root = Store.open("memory://runs/r1")
+    if root.exists():
+        root.fs.rm(root.root, recursive=True)
+    url = "memory://runs/r1/step_000005"
+    dcp.save({"w": torch.arange(6.0)}, url, iteration=5)
+    out = atomic_output("memory://runs/r1/other")
+    assert isinstance(out, MarkerOutput)
+    assert run_cli("verify", url, "--deep").code == 0
+    assert run_cli("latest", "memory://runs/r1").out.strip().endswith("runs/r1/step_000005")
+    # a writer that died before its manifest: present, never returned
+    dcp.save({"w": torch.arange(6.0)}, "memory://runs/r1/step_000009", iteration=9)
+    Store.open("memory://runs/r1/step_000009").fs.rm("/runs/r1/step_000009/" + MANIFEST)
+    res = run_cli("latest", "memory://runs/r1")
+    assert res.code == 0 and res.out.strip().endswith("step_000005")
+    assert "step_000009: not committed" in res.err

@@ -1,0 +1,110 @@
+"""Format detection for all six formats, on the directory layouts each framework writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import converters
+from ckptool.core.storage import Store
+
+
+def touch(path, data: bytes = b"x"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def megatron_legacy(root):
+    touch(root / "latest_checkpointed_iteration.txt", b"200")
+    for tp in range(2):
+        for pp in range(2):
+            touch(root / "iter_0000200" / f"mp_rank_{tp:02d}_{pp:03d}" / "model_optim_rng.pt")
+    return root
+
+
+def megatron_legacy_iter_dir(root):
+    touch(root / "mp_rank_00" / "model_optim_rng.pt")
+    return root
+
+
+def megatron_dist(root):
+    touch(root / "latest_checkpointed_iteration.txt", b"100")
+    it = root / "iter_0000100"
+    touch(it / "metadata.json", json.dumps({"sharded_backend": "torch_dist",
+                                            "sharded_backend_version": 1}).encode())
+    touch(it / ".metadata")
+    touch(it / "common.pt")
+    return root
+
+
+def deepspeed(root):
+    touch(root / "latest", b"global_step10")
+    touch(root / "global_step10" / "mp_rank_00_model_states.pt")
+    touch(root / "global_step10" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    return root
+
+
+def hf_trainer_deepspeed(root):
+    """HF Trainer: config.json and model.safetensors beside `latest` and global_stepN/."""
+    deepspeed(root)
+    touch(root / "config.json", b"{}")
+    touch(root / "model.safetensors")
+    return root
+
+
+def deepspeed_universal(root):
+    touch(root / "latest_universal", b"global_step10_universal")
+    u = root / "global_step10_universal"
+    touch(u / "mp_rank_00_model_states.pt")
+    touch(u / "zero" / "embed.weight" / "fp32.pt")
+    return root
+
+
+def hf(root):
+    touch(root / "config.json", b'{"architectures": ["LlamaForCausalLM"]}')
+    touch(root / "model.safetensors.index.json", b"{}")
+    touch(root / "model-00001-of-00002.safetensors")
+    return root
+
+
+def plain_dcp(root):
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(root))
+    return root
+
+
+LAYOUTS = {
+    "megatron": [megatron_legacy, megatron_legacy_iter_dir],
+    "megatron-dist": [megatron_dist],
+    "deepspeed": [deepspeed, hf_trainer_deepspeed],
+    "deepspeed-universal": [deepspeed_universal],
+    "hf": [hf],
+    "dcp": [plain_dcp],
+}
+
+
+@pytest.mark.parametrize("fmt,build", [(f, b) for f, bs in LAYOUTS.items() for b in bs],
+                         ids=lambda x: getattr(x, "__name__", x))
+def test_detects(tmp_path, fmt, build):
+    root = build(tmp_path / "ckpt")
+    assert converters.detect(Store.open(str(root))) == fmt
+
+
+def test_unknown_directory_lists_what_was_found(tmp_path, run_cli):
+    touch(tmp_path / "x" / "weights.npz")
+    touch(tmp_path / "x" / "sub" / "a")
+    res = run_cli("inspect", tmp_path / "x")
+    assert res.code == 2
+    assert res.err.strip().startswith(
+        f"ckptool: error: not a checkpoint ckptool knows: found sub/, weights.npz ({tmp_path / 'x'})")
+    assert "Expected one of dcp, megatron-dist, megatron, deepspeed, deepspeed-universal, hf" in res.err
+
+
+@pytest.mark.parametrize("build,issue", [(megatron_legacy, 3), (deepspeed, 5), (hf, 6)])
+def test_detected_but_unread_formats_say_so(tmp_path, run_cli, build, issue):
+    root = build(tmp_path / "ckpt")
+    res = run_cli("inspect", root)
+    assert res.code == 2 and f"is not implemented yet (issue #{issue})" in res.err
+    assert "Traceback" not in res.err
