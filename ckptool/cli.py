@@ -25,12 +25,13 @@ class Output:
         self.as_json = as_json
         self.quiet = quiet
 
-    def progress(self, total: int | None, desc: str):
+    def progress(self, total, desc: str):
+        """A tqdm bar on stderr for a human at a terminal, else None. ``total()`` gives bytes."""
         if self.as_json or self.quiet or not sys.stderr.isatty():
             return None
         from tqdm import tqdm
 
-        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+        return tqdm(total=total(), desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
                     file=sys.stderr, leave=False)
 
     def result(self, obj: Any, human: str) -> None:
@@ -147,7 +148,7 @@ def verify(ckpt: str, deep: bool, seal: bool, strict: bool, workers: int, as_jso
     from ckptool.ops.verify import verify as run
 
     out = Output(as_json, quiet)
-    bar = out.progress(_total_bytes(ckpt), "verify") if not as_json else None
+    bar = out.progress(lambda: _total_bytes(ckpt), "verify")
     try:
         report = run(ckpt, deep=deep, seal=seal, strict=strict, workers=workers,
                      progress=bar.update if bar else None)

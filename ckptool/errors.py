@@ -1,6 +1,6 @@
 """Public re-export of the error hierarchy (defined in ckptool.core.errors)."""
 
-from ckptool.core.errors import (  # noqa: F401
+from ckptool.core.errors import (
     BadCheckpoint,
     CkptoolError,
     NoCheckpoint,
@@ -12,3 +12,6 @@ from ckptool.core.errors import (  # noqa: F401
     UnsupportedFormat,
     UsageError,
 )
+
+__all__ = ["BadCheckpoint", "CkptoolError", "NoCheckpoint", "NotCommitted", "TopologyError",
+           "UnknownFormat", "UnreadableInput", "UnsafePickle", "UnsupportedFormat", "UsageError"]

@@ -11,11 +11,10 @@ import re
 
 from ckptool.core.index import Reader
 from ckptool.core.storage import Store
+from converters.megatron_common import ITER_DIR, tracked_dir
 
 NAME = "megatron"
-TRACKER = "latest_checkpointed_iteration.txt"
 RANK_DIR = re.compile(r"^mp_rank_\d{2}(_\d{3}){0,2}$")
-ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
 
 
 def _has_rank_dirs(store: Store, rel: str = "") -> bool:
@@ -29,8 +28,11 @@ class MegatronReader(Reader):
     def detect(cls, store: Store) -> bool:
         if _has_rank_dirs(store):
             return True
+        tracked = tracked_dir(store)
+        if tracked is not None:
+            return _has_rank_dirs(store, tracked)
         iters = [n for n, d in store.ls() if d and ITER_DIR.match(n)]
-        return bool(iters) and (store.exists(TRACKER) or _has_rank_dirs(store, iters[-1]))
+        return bool(iters) and _has_rank_dirs(store, iters[-1])
 
     def read_index(self, store):
         from converters import not_yet

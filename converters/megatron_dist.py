@@ -11,10 +11,10 @@ import json
 
 from ckptool.core.index import Reader
 from ckptool.core.storage import Store
+from converters.megatron_common import tracked_dir
 
 NAME = "megatron-dist"
 METADATA_JSON = "metadata.json"
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _is_dist_dir(store: Store, rel: str = "") -> bool:
@@ -35,12 +35,8 @@ class MegatronDistReader(Reader):
     def detect(cls, store: Store) -> bool:
         if _is_dist_dir(store):
             return True
-        if not store.exists(TRACKER):
-            return False
-        iteration = store.read_bytes(TRACKER).decode(errors="replace").strip()
-        rel = "release" if iteration == "release" else f"iter_{int(iteration):07d}" \
-            if iteration.isdigit() else None
-        return rel is not None and _is_dist_dir(store, rel)
+        tracked = tracked_dir(store)
+        return tracked is not None and _is_dist_dir(store, tracked)
 
     def read_index(self, store):
         from converters import not_yet

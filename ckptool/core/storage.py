@@ -20,7 +20,7 @@ import posixpath
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -74,11 +74,6 @@ class Store:
     def child(self, rel: str) -> "Store":
         return Store(_join_url(self.url, rel), self.fs, self.path(rel))
 
-    def parent(self) -> "Store":
-        parent_root = posixpath.dirname(self.root.rstrip("/"))
-        parent_url = self.url.rstrip("/").rsplit("/", 1)[0] if "/" in self.url else "."
-        return Store(parent_url, self.fs, parent_root)
-
     def exists(self, rel: str = "") -> bool:
         return self.fs.exists(self.path(rel))
 
@@ -129,10 +124,6 @@ class Store:
 
     def display(self, rel: str = "") -> str:
         return _join_url(self.url, rel) if rel else self.url
-
-    def walk_dirs(self) -> Iterator[str]:
-        for dirpath, _, _ in self.fs.walk(self.root):
-            yield dirpath
 
 
 def _join_url(url: str, rel: str) -> str:
