@@ -1,0 +1,291 @@
+"""Layout rules for Megatron-style GPT models: which regions of which global tensors each
+(pipeline stage, tensor-parallel rank) holds. Each quirk is one rule, written once here and
+used by readers, writers, reshard and the training hook.
+
+Global (canonical) keys are Megatron-Core's distributed-checkpoint names with a global
+layer index, e.g. ``decoder.layers.{i}.self_attention.linear_qkv.weight``.
+
+Rules:
+
+* ``column``: split dim 0 over TP (QKV, fc1 without gating, their biases).
+* ``row``: split dim 1 over TP (``linear_proj``, ``linear_fc2``).
+* ``replicated``: every TP rank holds the whole tensor (norms, row-parallel biases).
+* ``gated``: SwiGLU fc1. The global tensor is ``[gate; up]``; TP rank r holds
+  ``[gate_r; up_r]``, which is **two** regions.
+* ``vocab``: dim 0 over TP after padding the vocabulary to a multiple of
+  ``make_vocab_size_divisible_by * tp``. The global tensor has the true vocabulary size;
+  rows past it are padding, stored but belonging to no global element.
+* Fused QKV with GQA is grouped per query group, ``[q_1..q_{nh/ng}, k, v]`` per group,
+  so its TP split is a plain ``column`` split once ``ng % tp == 0``.
+* Pipeline: stage p holds its layers numbered from 0 locally; the first stage holds the
+  embeddings, the last the final norm and output layer, and with tied embeddings (PP > 1)
+  also a copy of the word embeddings. Virtual pipeline chunk c of stage p holds the
+  (c*pp + p)-th block of layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ckptool.core.errors import TopologyError
+from ckptool.core.regions import Region, Shard
+from ckptool.core.topology import Topology
+
+COLUMN, ROW, REPLICATED, GATED, VOCAB = "column", "row", "replicated", "gated", "vocab"
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm"
+OUTPUT_LAYER = "output_layer.weight"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What the layout rules need to know of a GPT-style model."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    """The true vocabulary size (without Megatron's padding)."""
+    num_query_groups: int | None = None
+    """GQA groups (kv heads); None means plain multi-head attention."""
+    ffn_hidden_size: int | None = None
+    kv_channels: int | None = None
+    make_vocab_size_divisible_by: int = 128
+    swiglu: bool = False
+    tied_embeddings: bool = True
+    add_bias: bool = True
+    normalization: str = "LayerNorm"
+    """``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only)."""
+    learned_positions: bool = True
+    max_position_embeddings: int = 0
+    first_stage_layers: int | None = None
+    """``decoder_first_pipeline_num_layers`` for uneven pipelines."""
+    last_stage_layers: int | None = None
+    """``decoder_last_pipeline_num_layers`` for uneven pipelines."""
+
+    @property
+    def groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def padded_vocab(self, tp: int) -> int:
+        return padded_vocab(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+
+def padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padded vocabulary: the next multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """A global tensor and the rule that splits it."""
+
+    key: str
+    shape: tuple[int, ...]
+    rule: str
+
+
+def layer_params(spec: ModelSpec, i: int) -> list[Param]:
+    """The global tensors of transformer layer ``i``."""
+    h, d = spec.hidden_size, spec.head_dim
+    qkv_rows = (spec.num_attention_heads + 2 * spec.groups) * d
+    fc1_rows = 2 * spec.ffn if spec.swiglu else spec.ffn
+    p = f"decoder.layers.{i}."
+    params = [
+        *_norm(spec, p + "self_attention.linear_qkv.layer_norm"),
+        Param(p + "self_attention.linear_qkv.weight", (qkv_rows, h), COLUMN),
+        Param(p + "self_attention.linear_proj.weight", (h, spec.num_attention_heads * d), ROW),
+        *_norm(spec, p + "mlp.linear_fc1.layer_norm"),
+        Param(p + "mlp.linear_fc1.weight", (fc1_rows, h), GATED if spec.swiglu else COLUMN),
+        Param(p + "mlp.linear_fc2.weight", (h, spec.ffn), ROW),
+    ]
+    if spec.add_bias:
+        params += [
+            Param(p + "self_attention.linear_qkv.bias", (qkv_rows,), COLUMN),
+            Param(p + "self_attention.linear_proj.bias", (h,), REPLICATED),
+            Param(p + "mlp.linear_fc1.bias", (fc1_rows,), GATED if spec.swiglu else COLUMN),
+            Param(p + "mlp.linear_fc2.bias", (h,), REPLICATED),
+        ]
+    return params
+
+
+def _norm(spec: ModelSpec, prefix: str) -> list[Param]:
+    h = spec.hidden_size
+    params = [Param(prefix + "_weight" if prefix.endswith("layer_norm") else prefix + ".weight",
+                    (h,), REPLICATED)]
+    if spec.normalization == "LayerNorm":
+        params.append(Param(params[0].key.replace("weight", "bias"), (h,), REPLICATED))
+    return params
+
+
+def first_stage_params(spec: ModelSpec) -> list[Param]:
+    params = [Param(WORD_EMBEDDINGS, (spec.vocab_size, spec.hidden_size), VOCAB)]
+    if spec.learned_positions:
+        params.append(Param(POSITION_EMBEDDINGS, (spec.max_position_embeddings, spec.hidden_size),
+                            REPLICATED))
+    return params
+
+
+def last_stage_params(spec: ModelSpec) -> list[Param]:
+    h = spec.hidden_size
+    params = [Param(f"{FINAL_NORM}.weight", (h,), REPLICATED)]
+    if spec.normalization == "LayerNorm":
+        params.append(Param(f"{FINAL_NORM}.bias", (h,), REPLICATED))
+    if not spec.tied_embeddings:
+        params.append(Param(OUTPUT_LAYER, (spec.vocab_size, h), VOCAB))
+    return params
+
+
+def check(spec: ModelSpec, topo: Topology) -> None:
+    """Refuse a topology that breaks a layout rule, naming the rule."""
+    tp, pp = topo.tp, topo.pp
+    if spec.num_attention_heads % tp:
+        raise TopologyError(f"attention heads ({spec.num_attention_heads}) must be divisible by "
+                            f"TP ({tp})")
+    if spec.groups % tp:
+        raise TopologyError(f"query groups / kv heads ({spec.groups}) must be divisible by TP ({tp})")
+    if spec.ffn % tp:
+        raise TopologyError(f"ffn_hidden_size ({spec.ffn}) must be divisible by TP ({tp})")
+    stage_layers(spec, pp, topo.vpp)  # raises for layers vs PP
+
+
+def stage_layers(spec: ModelSpec, pp: int, vpp: int = 1) -> list[list[range]]:
+    """Global layer ranges for each stage, one per virtual chunk (``model0``, ``model1``...)."""
+    L = spec.num_layers
+    first, last = spec.first_stage_layers, spec.last_stage_layers
+    if first is None and last is None:
+        if L % (pp * vpp):
+            raise TopologyError(
+                f"num_layers ({L}) must be divisible by PP x VPP ({pp} x {vpp})",
+                hint="Give an uneven split (decoder_first/last_pipeline_num_layers) or another --pp")
+        n = L // (pp * vpp)
+        return [[range((c * pp + p) * n, (c * pp + p + 1) * n) for c in range(vpp)]
+                for p in range(pp)]
+    if vpp > 1:
+        raise TopologyError("uneven pipeline stages with virtual pipeline chunks are not supported")
+    counts = [None] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last if pp > 1 or first is None else counts[0]
+    rest = L - sum(c for c in counts if c is not None)
+    middle = [i for i, c in enumerate(counts) if c is None]
+    if rest < 0 or (middle and rest % len(middle)) or (not middle and rest):
+        raise TopologyError(f"num_layers ({L}) cannot be split over PP ({pp}) with first={first} "
+                            f"and last={last} layers")
+    for i in middle:
+        counts[i] = rest // len(middle)
+    starts = [sum(counts[:p]) for p in range(pp)]
+    return [[range(starts[p], starts[p] + counts[p])] for p in range(pp)]
+
+
+@dataclass(frozen=True, slots=True)
+class LocalTensor:
+    """One tensor as a rank stores it."""
+
+    chunk: int
+    """Virtual pipeline chunk (``model{chunk}``); 0 without VPP."""
+    name: str
+    """Canonical key with the *local* layer index."""
+    shard: Shard
+    replica: bool = False
+    """True when another rank holds the primary copy of the same regions."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankLayout:
+    pp_rank: int
+    tp_rank: int
+    tensors: list[LocalTensor] = field(default_factory=list)
+
+
+def split(param: Param, tp_rank: int, tp: int, padded_rows: int | None = None) -> Shard:
+    """The shard of ``param`` that TP rank ``tp_rank`` of ``tp`` holds, per its rule."""
+    shape, key = param.shape, param.key
+    if param.rule == REPLICATED:
+        return Shard.of(Region.whole(key, shape))
+    if param.rule == ROW:
+        n = shape[1] // tp
+        return Shard.of(Region(key, shape, (0, tp_rank * n), (shape[0], n)))
+    if param.rule == COLUMN:
+        n = shape[0] // tp
+        rest = shape[1:]
+        return Shard.of(Region(key, shape, (tp_rank * n, *(0,) * len(rest)), (n, *rest)))
+    if param.rule == GATED:
+        half = shape[0] // 2
+        n = half // tp
+        rest = shape[1:]
+        row = math.prod(rest)
+        zeros = (0,) * len(rest)
+        gate = Region(key, shape, (tp_rank * n, *zeros), (n, *rest))
+        up = Region(key, shape, (half + tp_rank * n, *zeros), (n, *rest))
+        return Shard((2 * n, *rest), ((0, gate), (n * row, up)))
+    if param.rule == VOCAB:
+        assert padded_rows is not None
+        n = padded_rows // tp
+        lo, hi = tp_rank * n, min((tp_rank + 1) * n, shape[0])
+        rest = shape[1:]
+        parts = ((0, Region(key, shape, (lo, *(0,) * len(rest)), (hi - lo, *rest))),) if hi > lo else ()
+        return Shard((n, *rest), parts)
+    raise ValueError(f"unknown layout rule {param.rule!r} for {key}")
+
+
+def layout(spec: ModelSpec, topo: Topology) -> list[RankLayout]:
+    """Every (pp_rank, tp_rank)'s local tensors. DP replicas are not listed."""
+    check(spec, topo)
+    vocab_rows = spec.padded_vocab(topo.tp)
+    stages = stage_layers(spec, topo.pp, topo.vpp)
+    out = []
+    for p in range(topo.pp):
+        for t in range(topo.tp):
+            rank = RankLayout(p, t)
+            for chunk, layers in enumerate(stages[p]):
+                for local, i in enumerate(layers):
+                    for param in layer_params(spec, i):
+                        rank.tensors.append(LocalTensor(
+                            chunk, _local_name(param.key, i, local), split(param, t, topo.tp),
+                            replica=param.rule == REPLICATED and t > 0))
+            first, last = p == 0, p == topo.pp - 1
+            if first:
+                for param in first_stage_params(spec):
+                    rank.tensors.append(_whole(param, t, topo, vocab_rows, 0, replica=False))
+            if last:
+                last_chunk = len(stages[p]) - 1
+                for param in last_stage_params(spec):
+                    rank.tensors.append(_whole(param, t, topo, vocab_rows, last_chunk, replica=False))
+                if spec.tied_embeddings and not first:
+                    # The last stage keeps its own copy of the word embeddings for the head.
+                    emb = first_stage_params(spec)[0]
+                    rank.tensors.append(_whole(emb, t, topo, vocab_rows, last_chunk, replica=True))
+            out.append(rank)
+    return out
+
+
+def _whole(param: Param, t: int, topo: Topology, vocab_rows: int, chunk: int, replica: bool) -> LocalTensor:
+    shard = split(param, t, topo.tp, vocab_rows)
+    return LocalTensor(chunk, param.key, shard,
+                       replica=replica or (param.rule == REPLICATED and t > 0))
+
+
+def _local_name(key: str, global_index: int, local_index: int) -> str:
+    return key.replace(f"decoder.layers.{global_index}.", f"decoder.layers.{local_index}.", 1)
+
+
+def global_params(spec: ModelSpec) -> list[Param]:
+    """Every global tensor of the model, once."""
+    params = first_stage_params(spec)
+    for i in range(spec.num_layers):
+        params += layer_params(spec, i)
+    return params + last_stage_params(spec)
