@@ -198,6 +198,76 @@ def latest(root: str, no_verify: bool, as_json: bool, quiet: bool):
     out.result(res, res.path)
 
 
+_SIZE = click.IntRange(min=1)
+
+
+@cli.command()
+@click.argument("src", metavar="SRC")
+@click.argument("dst", metavar="DST")
+@click.option("--to-tp", type=_SIZE, help="Target tensor-parallel size.")
+@click.option("--to-pp", type=_SIZE, help="Target pipeline-parallel size.")
+@click.option("--to-dp", type=_SIZE, help="Target data-parallel size.")
+@click.option("--to-vpp", type=_SIZE, help="Target virtual pipeline chunks per stage.")
+@click.option("--tp", type=_SIZE, help="Assert the source's TP (read from SRC).")
+@click.option("--pp", type=_SIZE, help="Assert the source's PP.")
+@click.option("--dp", type=_SIZE, help="Assert the source's DP.")
+@click.option("--true-vocab-size", type=_SIZE, help="The tokenizer's vocabulary size, if SRC lacks it.")
+@click.option("--workers", default=1, show_default=True, type=_SIZE, help="Target files written in parallel.")
+@click.option("--dry-run", is_flag=True, help="Print the plan: target files, bytes read and written.")
+@click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
+@_output_options
+def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, tp, pp, dp, true_vocab_size, workers, dry_run,
+            overwrite, as_json, quiet):
+    """Rewrite the checkpoint SRC at DST for another TP/PP layout, same format.
+
+    SRC's topology is read from it; --tp/--pp/--dp before the --to-* flags are assertions.
+    The form users type also works: a topology flag after a --to-* flag is a target.
+
+    \b
+    ckptool reshard /ckpt/run /ckpt/run-tp4pp4 --tp 8 --pp 2 --to-tp 4 --pp 4
+    ckptool reshard /ckpt/run /ckpt/run-tp2 --to-tp 2 --dry-run
+    """
+    from ckptool.ops.reshard import reshard as run
+
+    out = Output(as_json, quiet)
+    bar = out.progress(lambda: None, "reshard") if not dry_run else None
+    try:
+        res = run(src, dst, to={"tp": to_tp, "pp": to_pp, "dp": to_dp, "vpp": to_vpp},
+                  expect={"tp": tp, "pp": pp, "dp": dp}, workers=workers, dry_run=dry_run,
+                  overwrite=overwrite, true_vocab_size=true_vocab_size,
+                  progress=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    src_t, dst_t = _topology(res.source_topology), _topology(res.target_topology)
+    lines = [f"{'plan' if res.dry_run else 'resharded'}: {res.source} ({src_t}) -> {res.destination} "
+             f"({dst_t}), {res.format}",
+             f"  {len(res.files)} files, read {_size(res.bytes_read)}, write {_size(res.bytes_written)}"
+             + ("" if res.dry_run else f", {res.seconds:.1f}s")]
+    if res.dry_run:
+        lines += [f"  {f.path}  {_size(f.bytes)}" for f in res.files]
+    out.result(res, "\n".join(lines))
+
+
+_TARGET_FLAGS = {"--tp": "--to-tp", "--pp": "--to-pp", "--dp": "--to-dp"}
+
+
+def _literal_targets(argv: list[str]) -> list[str]:
+    """`reshard ... --tp 8 --pp 2 --to-tp 4 --pp 4`: a topology flag after a --to-* flag is a target."""
+    if "reshard" not in argv:
+        return argv
+    start = argv.index("reshard")
+    out, seen_to = argv[:start + 1], False
+    for tok in argv[start + 1:]:
+        flag, eq, value = tok.partition("=")
+        if flag.startswith("--to-"):
+            seen_to = True
+        elif seen_to and flag in _TARGET_FLAGS:
+            tok = _TARGET_FLAGS[flag] + eq + value
+        out.append(tok)
+    return out
+
+
 def _report_skipped(out: Output, skipped) -> None:
     for s in skipped:
         out.note(f"skipped {s.path}: {s.reason}")
@@ -234,6 +304,7 @@ def _total_bytes(url: str) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = _literal_targets(list(sys.argv[1:] if argv is None else argv))
     try:
         cli.main(args=argv, prog_name="ckptool", standalone_mode=False)
     except click.exceptions.Abort:

@@ -22,6 +22,9 @@ READERS = {
     "hf": "converters.hf:HfReader",
 }
 FORMATS = tuple(READERS)
+WRITERS = {
+    "megatron": "converters.megatron:MegatronWriter",
+}
 
 # More specific layouts first: a DeepSpeed universal checkpoint also has model-state files,
 # a Megatron torch_dist directory also has a DCP `.metadata`, and an HF Trainer DeepSpeed
@@ -40,6 +43,14 @@ def reader_class(name: str) -> type[Reader]:
 
 def reader(name: str) -> Reader:
     return reader_class(name)()
+
+
+def writer(name: str):
+    if name not in WRITERS:
+        raise UnsupportedFormat(f"writing {name} checkpoints is not implemented yet",
+                                hint=f"Writable now: {', '.join(WRITERS)}")
+    module, cls = WRITERS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()
 
 
 def detect(store: Store) -> str | None:

@@ -2,27 +2,88 @@
 
 A run root has ``latest_checkpointed_iteration.txt`` (an iteration number or ``release``)
 beside the ``iter_*``/``release`` directories. At PP=1 the rank directories have no
-``_PPP`` part.
+``_PPP`` part. Each file holds ``args`` (an argparse Namespace: the model and the
+topology), ``iteration``, ``checkpoint_version``, ``model`` (or ``model0``, ``model1``...
+per virtual pipeline chunk), ``optimizer``, ``opt_param_scheduler`` and ``rng_state``.
+
+Tensor names follow one of three schemas (see :mod:`converters.megatron_common`):
+Megatron-Core with Transformer Engine, Megatron-Core local spec, or pre-mcore legacy
+(Megatron-DeepSpeed). Each rank's layers are numbered from 0; the global index and every
+split come from the layout rules in :mod:`ckptool.core.layout`.
+
+What ckptool writes carries a top-level ``ckptool`` key (Megatron ignores unknown keys);
+without the run root's ``ckptool.json`` such a checkpoint is not committed.
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
 import re
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
-from ckptool.core.index import Reader
+import torch
+
+from ckptool.core import VERSION
+from ckptool.core.engine import TargetFile, TargetTensor
+from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
+from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo
+from ckptool.core.layout import ModelSpec, layout, stage_layers
+from ckptool.core.manifest import HashingWriter
+from ckptool.core.safe_pickle import torch_load
 from ckptool.core.storage import Store
-from converters.megatron_common import ITER_DIR, tracked_dir
+from ckptool.core.topology import Topology
+from converters.megatron_common import (ITER_DIR, SCHEMAS, TRACKER, detect_schema, iteration_dir,
+                                        params_by_key, retarget_spec, spec_from_args, to_canonical,
+                                        tracked_dir, update_args)
+
+EXTRA = "_extra_state"
+SCHEMA_KEY = "megatron.schema"
+_LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 NAME = "megatron"
-RANK_DIR = re.compile(r"^mp_rank_\d{2}(_\d{3}){0,2}$")
+FILE = "model_optim_rng.pt"
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+MARK = "ckptool"
+CARRIED = ("iteration", "checkpoint_version", "opt_param_scheduler",
+           "num_floating_point_operations_so_far")
+
+
+def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
 def _has_rank_dirs(store: Store, rel: str = "") -> bool:
     return any(d and RANK_DIR.match(n) for n, d in store.ls(rel))
 
 
+def checkpoint_dir(store: Store) -> str:
+    """The iteration directory (relative) that holds the rank directories."""
+    if _has_rank_dirs(store):
+        return ""
+    tracked = tracked_dir(store)
+    if tracked is not None:
+        return tracked
+    iters = sorted(n for n, d in store.ls() if d and ITER_DIR.match(n))
+    if iters:
+        return iters[-1]
+    raise UnreadableInput("no Megatron rank directories found", path=store.url)
+
+
+@dataclass
+class _RankFile:
+    tp: int
+    pp: int
+    rel: str
+    data: dict
+
+
 class MegatronReader(Reader):
     name = NAME
+
+    def __init__(self):
+        self._files: dict[str, dict] = {}
 
     @classmethod
     def detect(cls, store: Store) -> bool:
@@ -32,9 +93,312 @@ class MegatronReader(Reader):
         if tracked is not None:
             return _has_rank_dirs(store, tracked)
         iters = [n for n, d in store.ls() if d and ITER_DIR.match(n)]
-        return bool(iters) and _has_rank_dirs(store, iters[-1])
+        return bool(iters) and _has_rank_dirs(store, sorted(iters)[-1])
 
-    def read_index(self, store):
-        from converters import not_yet
+    def _load(self, store: Store, rel: str) -> dict:
+        if rel not in self._files:
+            if store.is_local:
+                try:
+                    data = torch_load(store.path(rel), store.display(rel), mmap=True)
+                except FileNotFoundError:
+                    raise BadCheckpoint("rank file is missing", path=store.display(rel)) from None
+            else:
+                data = torch_load(store.read_bytes(rel), store.display(rel))
+            if not isinstance(data, dict):
+                raise BadCheckpoint("rank file does not hold a dict", path=store.display(rel))
+            self._files[rel] = data
+        return self._files[rel]
 
-        not_yet(NAME, 3)
+    def _rank_files(self, store: Store) -> list[_RankFile]:
+        base = checkpoint_dir(store)
+        files = []
+        for name, is_dir in store.ls(base):
+            m = RANK_DIR.match(name) if is_dir else None
+            if not m:
+                continue
+            if m.group(3) is not None:
+                raise UnreadableInput("expert-parallel Megatron checkpoints are not supported yet",
+                                      path=store.display(f"{base}/{name}" if base else name))
+            rel = f"{base}/{name}/{FILE}" if base else f"{name}/{FILE}"
+            files.append(_RankFile(int(m.group(1)), int(m.group(2) or 0), rel, {}))
+        if not files:
+            raise BadCheckpoint("no rank directories", path=store.display(base))
+        return sorted(files, key=lambda f: (f.pp, f.tp))
+
+    def read_index(self, store: Store) -> CheckpointIndex:
+        files = self._rank_files(store)
+        first = self._load(store, files[0].rel)
+        args = first.get("args")
+        if not isinstance(args, argparse.Namespace):
+            raise BadCheckpoint("rank file has no Megatron `args`", path=store.display(files[0].rel),
+                                hint="ckptool needs args to know the model layout")
+        spec, topo, vocab_known = spec_from_args(args)
+        _check_rank_set(files, topo, store)
+        version = first.get("checkpoint_version")
+        index = CheckpointIndex(format=self.name, url=store.url, topology=topo,
+                                model_config=asdict(spec),
+                                true_vocab_size=spec.vocab_size if vocab_known else None,
+                                iteration=_iteration(first), written_by_ckptool=MARK in first,
+                                format_version=None if version is None else str(version))
+        index.objects["args"] = ObjectInfo("args", value=args)
+        for key in CARRIED:
+            if key in first:
+                index.objects[key] = ObjectInfo(key, value=first[key])
+        params = params_by_key(spec)
+        stages = stage_layers(spec, topo.pp, topo.vpp)
+        padded = spec.padded_vocab(topo.tp)
+        for f in files:
+            data = self._load(store, f.rel)
+            index.files[f.rel] = 1
+            if "rng_state" in data:
+                index.objects[f"rank.{f.tp:02d}_{f.pp:03d}.rng_state"] = ObjectInfo(
+                    "rng_state", value=data["rng_state"])
+            for chunk_key, chunk in _model_chunks(data, topo.vpp):
+                flat = _flatten(data[chunk_key])
+                schema = detect_schema(flat)
+                _check_schema(schema, spec, version, store.display(f.rel))
+                index.objects.setdefault(SCHEMA_KEY, ObjectInfo(SCHEMA_KEY, value=schema))
+                layers = stages[f.pp][chunk]
+                for local_name, value in flat.items():
+                    if local_name.endswith(EXTRA):
+                        key = "extra:" + _global_module(local_name[:-len(EXTRA) - 1], layers)
+                        index.objects.setdefault(key, ObjectInfo(key, value=value))
+                        continue
+                    canonical, replica = to_canonical(schema, local_name, layers, spec.tied_embeddings)
+                    _add_piece(index, params, canonical, replica, f, chunk_key, local_name, value,
+                               padded, topo, store)
+        for key, info in index.tensors.items():
+            if not info.pieces:
+                raise BadCheckpoint("tensor has only replicas, no primary copy", path=store.url, key=key)
+        return index
+
+    def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+        chunk_key, local_name, offset = piece.location.detail
+        data = self._load(store, piece.location.file)
+        tensor = _flatten(data[chunk_key])[local_name]
+        n = piece.region.numel
+        return tensor.reshape(-1)[offset:offset + n].view(piece.region.local_shape)
+
+
+def _add_piece(index, params, canonical, replica, f, chunk_key, local_name, value, padded, topo,
+               store):
+    from ckptool.core.layout import split
+
+    param = params.get(canonical) if canonical else None
+    if param is None:
+        raise BadCheckpoint(f"tensor {local_name!r} does not fit the model described by args",
+                            path=store.display(f.rel), key=canonical)
+    if not isinstance(value, torch.Tensor):
+        raise BadCheckpoint("expected a tensor", path=store.display(f.rel), key=local_name)
+    shard = split(param, f.tp, topo.tp, padded)
+    if tuple(value.shape) != shard.shape:
+        raise BadCheckpoint(f"local tensor is {list(value.shape)}, the layout from args says "
+                            f"{list(shard.shape)}", path=store.display(f.rel), key=local_name)
+    info = index.tensors.get(canonical)
+    if info is None:
+        info = index.tensors[canonical] = TensorInfo(canonical, param.shape, value.dtype)
+    if replica or (param.rule == "replicated" and f.tp > 0):
+        return
+    for offset, region in shard.parts:
+        info.pieces.append(Piece(region, Location(f.rel, detail=(chunk_key, local_name, offset))))
+
+
+def _check_schema(schema: str, spec: ModelSpec, version, source: str) -> None:
+    if schema != "legacy":
+        return
+    if version is not None and float(version) < 2.0:
+        raise UnreadableInput(f"checkpoint_version {version} stores QKV in an order ckptool does not "
+                              "read yet (only >= 2.0)", path=source)
+    if spec.groups != spec.num_attention_heads:
+        raise UnreadableInput("grouped-query attention under pre-mcore names is not supported yet",
+                              path=source)
+
+
+def _global_module(local_module: str, layers: range) -> str:
+    m = re.match(r"^(.*?layers\.)(\d+)\.(.+)$", local_module)
+    if not m:
+        return local_module
+    return f"decoder.layers.{layers[int(m.group(2))]}.{m.group(3)}"
+
+
+def _check_rank_set(files: list[_RankFile], topo: Topology, store: Store) -> None:
+    want = {(t, p) for t in range(topo.tp) for p in range(topo.pp)}
+    have = {(f.tp, f.pp) for f in files}
+    if have != want:
+        missing = sorted(want - have)
+        extra = sorted(have - want)
+        raise BadCheckpoint(
+            f"rank directories do not match args TP{topo.tp}/PP{topo.pp}: "
+            + (f"missing {[rank_dir(t, p, topo.pp) for t, p in missing]}" if missing else "")
+            + (f" unexpected {[rank_dir(t, p, topo.pp) for t, p in extra]}" if extra else ""),
+            path=store.url)
+
+
+def _iteration(data: dict) -> int | None:
+    it = data.get("iteration")
+    return int(it) if isinstance(it, int) else None
+
+
+def _model_chunks(data: dict, vpp: int) -> list[tuple[str, int]]:
+    if "model" in data:
+        return [("model", 0)]
+    chunks = [(f"model{c}", c) for c in range(vpp) if f"model{c}" in data]
+    if not chunks:
+        raise BadCheckpoint("rank file has no `model` entry")
+    return chunks
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested state dicts (pre-mcore Megatron) to dotted names; flat ones pass through."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict):
+            out.update(_flatten(v, name))
+        else:
+            out[name] = v
+    return out
+
+
+def _unflatten(flat: dict[str, Any], nested: bool) -> dict:
+    if not nested:
+        return dict(flat)
+    out: dict = {}
+    for name, value in flat.items():
+        # Pre-mcore nesting: language_model -> {embedding -> ..., encoder -> flat layer keys}
+        parts = name.split(".")
+        if parts[0] == "language_model" and len(parts) > 2 and parts[1] == "encoder":
+            out.setdefault("language_model", {}).setdefault("encoder", {})[".".join(parts[2:])] = value
+            continue
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class MegatronWriter:
+    """Writes a legacy Megatron run root: tracker + ``iter_*/mp_rank_*/model_optim_rng.pt``."""
+
+    name = NAME
+
+    def target_spec(self, index: CheckpointIndex, source: Topology, target: Topology,
+                    true_vocab_size: int | None) -> ModelSpec:
+        spec = ModelSpec(**index.model_config)
+        known = index.true_vocab_size is not None
+        if true_vocab_size:
+            if true_vocab_size > spec.vocab_size:
+                raise UsageError(f"--true-vocab-size {true_vocab_size} exceeds the checkpoint's "
+                                 f"{spec.vocab_size} embedding rows")
+            spec, known = replace(spec, vocab_size=int(true_vocab_size)), True
+        return retarget_spec(spec, source.tp, target.tp, known)
+
+    def source_schema(self, opened) -> str:
+        obj = opened.index.objects.get(SCHEMA_KEY)
+        return obj.value if obj else "mcore-local"
+
+    def plan(self, index: CheckpointIndex, topo: Topology, spec: ModelSpec,
+             schema: str = "mcore-local") -> list[TargetFile]:
+        it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)
+        files = []
+        for rank in layout(spec, topo):
+            target = TargetFile(f"{it_dir}/{rank_dir(rank.tp_rank, rank.pp_rank, topo.pp)}/{FILE}",
+                                context={"tp": rank.tp_rank, "pp": rank.pp_rank, "schema": schema,
+                                         "spec": spec, "topo": topo})
+            stages = stage_layers(spec, topo.pp, topo.vpp)
+            for t in rank.tensors:
+                layers = stages[rank.pp_rank][t.chunk]
+                name = SCHEMAS[schema].from_canonical(t.name, layers, rank.pp_rank, topo.pp, t.replica)
+                chunk_key = "model" if topo.vpp == 1 else f"model{t.chunk}"
+                dtype = _dtype_of(index, t.name)
+                target.tensors.append(TargetTensor((chunk_key, name), t.shard, dtype))
+            files.append(target)
+        return files
+
+    def write_file(self, store: Store, target: TargetFile, tensors: dict, index: CheckpointIndex,
+                   true_vocab_size: int | None) -> tuple[int, str]:
+        ctx = target.context
+        topo, spec, schema = ctx["topo"], ctx["spec"], ctx["schema"]
+        chunks: dict[str, dict] = {}
+        for (chunk_key, name), tensor in tensors.items():
+            chunks.setdefault(chunk_key, {})[name] = tensor
+        state: dict[str, Any] = {}
+        for key in CARRIED:
+            if key in index.objects:
+                state[key] = copy.deepcopy(index.objects[key].value)
+        if "checkpoint_version" not in state:
+            state["checkpoint_version"] = 3.0
+        if "iteration" not in state:
+            state["iteration"] = index.iteration or 0
+        args = index.objects.get("args")
+        state["args"] = update_args(args.value if args else None, spec, topo, true_vocab_size)
+        rng = _pick_rng(index, ctx["tp"], ctx["pp"])
+        if rng is not None:
+            state["rng_state"] = rng
+        stages = stage_layers(spec, topo.pp, topo.vpp)[ctx["pp"]]
+        for c, chunk_layers in enumerate(stages):
+            chunk_key = "model" if topo.vpp == 1 else f"model{c}"
+            flat = dict(chunks.get(chunk_key, {}))
+            if not SCHEMAS[schema].nested:
+                flat.update(_extra_states(index, chunk_layers, ctx["pp"] == 0 and c == 0,
+                                          ctx["pp"] == topo.pp - 1 and c == len(stages) - 1))
+            state[chunk_key] = _unflatten(flat, nested=SCHEMAS[schema].nested)
+        state[MARK] = {"version": VERSION}
+        store.fs.makedirs(store.path(target.path.rsplit("/", 1)[0]), exist_ok=True)
+        with store.open_file(target.path, "wb") as raw:
+            out = HashingWriter(raw)
+            torch.save(state, out)
+            out.fsync()
+        return out.size, out.hexdigest()
+
+    def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
+        it = index.iteration if index.iteration is not None else 0
+        store.write_bytes(TRACKER, str(it).encode())
+        return [TRACKER]
+
+
+def _dtype_of(index: CheckpointIndex, name: str) -> torch.dtype:
+    m = _LAYER_MODULE.match(name)
+    if m is None and name in index.tensors:
+        return index.tensors[name].dtype
+    for key, info in index.tensors.items():  # any layer's copy of the same parameter
+        km = _LAYER_MODULE.match(key)
+        if m and km and km.group(2) == m.group(2):
+            return info.dtype
+    raise UsageError(f"source has no tensor for {name!r}")
+
+
+def _pick_rng(index: CheckpointIndex, tp: int, pp: int):
+    """RNG state of the same (tp, pp) rank if the source had it, else of a rank that did.
+
+    Megatron refuses to load without rng_state; after a topology change an exact RNG
+    stream cannot exist, so the state of rank (tp mod TP_src, pp mod PP_src) is carried.
+    """
+    topo = index.topology
+    if topo is None:
+        return None
+    key = f"rank.{tp % topo.tp:02d}_{pp % topo.pp:03d}.rng_state"
+    obj = index.objects.get(key)
+    return copy.deepcopy(obj.value) if obj else None
+
+
+def _extra_states(index: CheckpointIndex, chunk_layers: range, first: bool, last: bool) -> dict:
+    """``_extra_state`` entries of this file's modules, carried from the source (mcore only)."""
+    out = {}
+    for key, obj in index.objects.items():
+        if not key.startswith("extra:"):
+            continue
+        module = key[len("extra:"):]
+        m = _LAYER_MODULE.match(module)
+        if m:
+            g = int(m.group(1))
+            if g in chunk_layers:
+                out[f"decoder.layers.{chunk_layers.index(g)}.{m.group(2)}.{EXTRA}"] = obj.value
+        elif (module.startswith("embedding") and first) or (not module.startswith("embedding") and last):
+            out[f"{module}.{EXTRA}"] = obj.value
+    return out

@@ -1,16 +1,26 @@
-"""Run-root rules shared by both Megatron formats (legacy and Megatron-Core distributed).
+"""Rules shared by both Megatron formats (legacy and Megatron-Core distributed).
 
-Not a format: the tracker file and the iteration directory names, written once.
+Not a format: the run-root tracker, the iteration directory names, the name schemas
+(mcore Transformer Engine, mcore local spec, pre-mcore legacy) and the reading of
+Megatron ``args`` into a :class:`~ckptool.core.layout.ModelSpec`, each written once.
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
 import re
+from dataclasses import dataclass, field
 
+from ckptool.core.errors import UnreadableInput, UsageError
+from ckptool.core.layout import (FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS,
+                                 ModelSpec, Param, global_params, padded_vocab)
 from ckptool.core.storage import Store
+from ckptool.core.topology import Topology
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
+_LAYER = re.compile(r"^(?P<prefix>.*?layers\.)(?P<i>\d+)\.(?P<rest>.+)$")
 
 
 def iteration_dir(iteration: int | str) -> str:
@@ -26,3 +36,221 @@ def tracked_dir(store: Store) -> str | None:
     if text == "release" or text.isdigit():
         return iteration_dir(text)
     return None
+
+
+# ------------------------------------------------------------------------- name schemas
+
+
+@dataclass(frozen=True)
+class Schema:
+    """How one generation of Megatron names the canonical tensors, as data tables."""
+
+    name: str
+    layer_prefix: str
+    layer: dict[str, str] = field(default_factory=dict)
+    """Canonical in-layer suffix -> this schema's suffix (identity when absent)."""
+    top: dict[str, str] = field(default_factory=dict)
+    """Canonical top-level name -> this schema's name (identity when absent)."""
+    tied_head: str = OUTPUT_LAYER
+    """What the last stage calls its copy of the word embeddings when they are tied."""
+    nested: bool = False
+    """Pre-mcore state dicts nest modules as dicts."""
+
+    def from_canonical(self, name: str, layers: range, pp_rank: int, pp: int,
+                       replica: bool = False) -> str:
+        """Local name of a canonical tensor (with its local layer index)."""
+        if replica and name == WORD_EMBEDDINGS and pp_rank == pp - 1 and pp_rank > 0:
+            return self.tied_head
+        m = _LAYER.match(name)
+        if m and m.group("prefix") == "decoder.layers.":
+            rest = m.group("rest")
+            return f"{self.layer_prefix}{m.group('i')}.{self.layer.get(rest, rest)}"
+        return self.top.get(name, name)
+
+    def to_canonical(self, local: str, tied: bool) -> tuple[str | None, int | None, bool]:
+        """(canonical name with local layer index or None, local layer, is the tied copy)."""
+        if local.endswith("_extra_state"):
+            return None, None, False
+        if tied and local == self.tied_head:
+            return WORD_EMBEDDINGS, None, True
+        m = _LAYER.match(local)
+        if m and m.group("prefix") == self.layer_prefix:
+            rest = self._layer_back.get(m.group("rest"), m.group("rest"))
+            return f"decoder.layers.{m.group('i')}.{rest}", int(m.group("i")), False
+        return self._top_back.get(local, local), None, False
+
+    @property
+    def _layer_back(self) -> dict[str, str]:
+        return {v: k for k, v in self.layer.items()}
+
+    @property
+    def _top_back(self) -> dict[str, str]:
+        return {v: k for k, v in self.top.items()}
+
+
+_NORMS_LOCAL = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+
+SCHEMAS = {
+    "mcore-te": Schema("mcore-te", "decoder.layers."),
+    "mcore-local": Schema("mcore-local", "decoder.layers.", layer=_NORMS_LOCAL),
+    "legacy": Schema(
+        "legacy", "language_model.encoder.layers.", nested=True,
+        tied_head="word_embeddings_for_head.weight",
+        layer={
+            "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+            "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+            "self_attention.linear_qkv.weight": "self_attention.query_key_value.weight",
+            "self_attention.linear_qkv.bias": "self_attention.query_key_value.bias",
+            "self_attention.linear_proj.weight": "self_attention.dense.weight",
+            "self_attention.linear_proj.bias": "self_attention.dense.bias",
+            "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+            "mlp.linear_fc1.layer_norm_bias": "post_attention_layernorm.bias",
+            "mlp.linear_fc1.weight": "mlp.dense_h_to_4h.weight",
+            "mlp.linear_fc1.bias": "mlp.dense_h_to_4h.bias",
+            "mlp.linear_fc2.weight": "mlp.dense_4h_to_h.weight",
+            "mlp.linear_fc2.bias": "mlp.dense_4h_to_h.bias",
+        },
+        top={
+            WORD_EMBEDDINGS: "language_model.embedding.word_embeddings.weight",
+            POSITION_EMBEDDINGS: "language_model.embedding.position_embeddings.weight",
+            f"{FINAL_NORM}.weight": "language_model.encoder.final_layernorm.weight",
+            f"{FINAL_NORM}.bias": "language_model.encoder.final_layernorm.bias",
+            OUTPUT_LAYER: "language_model.output_layer.weight",
+        }),
+}
+
+
+def detect_schema(names) -> str:
+    names = list(names)
+    if any(n.startswith("language_model.") or n.startswith("word_embeddings_for_head") for n in names):
+        return "legacy"
+    if any(".input_layernorm." in n or ".pre_mlp_layernorm." in n for n in names):
+        return "mcore-local"
+    return "mcore-te"
+
+
+def to_canonical(schema: str, local: str, layers: range, tied: bool) -> tuple[str | None, bool]:
+    """(global canonical key, is a replica) of a local name on a stage holding ``layers``."""
+    name, layer, replica = SCHEMAS[schema].to_canonical(local, tied)
+    if name is None:
+        return None, False
+    if layer is not None:
+        if layer >= len(layers):
+            return f"<layer {layer} beyond this stage's {len(layers)}>", False
+        name = name.replace(f"decoder.layers.{layer}.", f"decoder.layers.{layers[layer]}.", 1)
+    return name, replica
+
+
+def params_by_key(spec: ModelSpec) -> dict[str, Param]:
+    return {p.key: p for p in global_params(spec)}
+
+
+# ------------------------------------------------------------------------------- args
+
+
+def _get(args, name, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
+                   ) -> tuple[ModelSpec, Topology, bool]:
+    """The model and topology Megatron ``args`` describe, and whether the true vocab is known."""
+    try:
+        layers = int(args.num_layers)
+        hidden = int(args.hidden_size)
+        heads = int(args.num_attention_heads)
+        padded = int(args.padded_vocab_size)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise UnreadableInput(f"Megatron args lack a model field ({exc})",
+                              hint="Pass --model-config with the model's args") from None
+    true_vocab = true_vocab_size or _get(args, "ckptool_true_vocab_size") or \
+        (_get(args, "vocab_size") if isinstance(_get(args, "vocab_size"), int) else None)
+    tp = int(_get(args, "tensor_model_parallel_size", 1))
+    pp = int(_get(args, "pipeline_model_parallel_size", 1))
+    vpp = _get(args, "virtual_pipeline_model_parallel_size")
+    if vpp is None and _get(args, "num_layers_per_virtual_pipeline_stage"):
+        vpp = layers // pp // int(args.num_layers_per_virtual_pipeline_stage)
+    pos = str(_get(args, "position_embedding_type", "learned_absolute"))
+    spec = ModelSpec(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        vocab_size=int(true_vocab or padded),
+        num_query_groups=int(args.num_query_groups) if _get(args, "group_query_attention", False)
+        and _get(args, "num_query_groups") else None,
+        ffn_hidden_size=_get(args, "ffn_hidden_size"), kv_channels=_get(args, "kv_channels"),
+        make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", 128)),
+        swiglu=bool(_get(args, "swiglu", False)),
+        tied_embeddings=not bool(_get(args, "untie_embeddings_and_output_weights", False)),
+        add_bias=bool(_get(args, "add_bias_linear", True)),
+        normalization=str(_get(args, "normalization", "LayerNorm")),
+        learned_positions=pos == "learned_absolute",
+        max_position_embeddings=int(_get(args, "max_position_embeddings", 0)),
+        first_stage_layers=_get(args, "decoder_first_pipeline_num_layers"),
+        last_stage_layers=_get(args, "decoder_last_pipeline_num_layers"),
+    )
+    if true_vocab and spec.padded_vocab(tp) != padded:
+        raise UnreadableInput(f"args say padded_vocab_size={padded}, but vocab {true_vocab} at TP{tp} "
+                              f"pads to {spec.padded_vocab(tp)}",
+                              hint="Check --true-vocab-size")
+    dp = int(_get(args, "data_parallel_size", 0) or
+             max(1, int(_get(args, "world_size", tp * pp)) // (tp * pp)))
+    topo = Topology(tp=tp, pp=pp, dp=dp, vpp=int(vpp or 1))
+    return spec, topo, bool(true_vocab)
+
+
+def retarget_spec(spec: ModelSpec, source_tp: int, target_tp: int, vocab_known: bool,
+                  first: int | None = None, last: int | None = None) -> ModelSpec:
+    """The same model laid out for ``target_tp``; refuses a vocab padding it cannot know.
+
+    Without the true vocab size the global embedding is the source's padded rows. If the
+    true size could be any of several values that pad differently at the target TP, the
+    target padding is unknowable and the user must say (--true-vocab-size).
+    """
+    if not vocab_known:
+        div = spec.make_vocab_size_divisible_by
+        src_padded = spec.vocab_size
+        lowest = src_padded - div * source_tp + 1
+        if padded_vocab(lowest, div, target_tp) != padded_vocab(src_padded, div, target_tp):
+            raise UsageError(
+                f"the true vocabulary size is unknown and the padded size {src_padded} (TP"
+                f"{source_tp}) pads differently at TP{target_tp}",
+                hint="Pass --true-vocab-size N (the tokenizer's vocabulary size)")
+    changes = {}
+    if first is not None or last is not None:
+        changes = {"first_stage_layers": first, "last_stage_layers": last}
+    from dataclasses import replace
+
+    return replace(spec, **changes) if changes else spec
+
+
+def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology,
+                true_vocab_size: int | None) -> argparse.Namespace:
+    """Megatron args for the target topology (Megatron asserts they match the job's)."""
+    new = copy.deepcopy(args) if args is not None else argparse.Namespace(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads, ffn_hidden_size=spec.ffn,
+        group_query_attention=spec.num_query_groups is not None,
+        num_query_groups=spec.num_query_groups, kv_channels=spec.head_dim,
+        make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by, swiglu=spec.swiglu,
+        untie_embeddings_and_output_weights=not spec.tied_embeddings,
+        add_bias_linear=spec.add_bias, normalization=spec.normalization,
+        position_embedding_type="learned_absolute" if spec.learned_positions else "rope",
+        max_position_embeddings=spec.max_position_embeddings)
+    new.tensor_model_parallel_size = topo.tp
+    new.pipeline_model_parallel_size = topo.pp
+    new.data_parallel_size = topo.dp
+    new.world_size = topo.world
+    new.padded_vocab_size = spec.padded_vocab(topo.tp)
+    new.virtual_pipeline_model_parallel_size = topo.vpp if topo.vpp > 1 else None
+    if topo.vpp > 1:
+        new.num_layers_per_virtual_pipeline_stage = spec.num_layers // topo.pp // topo.vpp
+    new.decoder_first_pipeline_num_layers = spec.first_stage_layers
+    new.decoder_last_pipeline_num_layers = spec.last_stage_layers
+    if true_vocab_size:
+        new.ckptool_true_vocab_size = int(true_vocab_size)
+    return new

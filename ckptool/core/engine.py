@@ -1,0 +1,91 @@
+"""The one reshard engine: fill target tensors from stored source pieces, by regions.
+
+A format's writer says which target files exist and which shards each holds; a format's
+reader says where each source piece is. The engine intersects them and copies only the
+overlapping elements. It never imports a format.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ckptool.core.errors import BadCheckpoint
+from ckptool.core.index import CheckpointIndex, Piece
+from ckptool.core.regions import Shard, plan_copies
+
+
+@dataclass(slots=True)
+class TargetTensor:
+    """One tensor of a target file: its name in the file and the regions it holds."""
+
+    name: Any
+    """Where the writer puts it (format-specific, e.g. ``("model", "decoder.layers.0...")``)."""
+    shard: Shard
+    dtype: torch.dtype
+
+
+@dataclass(slots=True)
+class TargetFile:
+    """One file a writer will produce, with the tensors the engine must fill for it."""
+
+    path: str
+    tensors: list[TargetTensor] = field(default_factory=list)
+    context: Any = None
+    """Whatever else the writer needs for this file (rank, objects...)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(t.shard.shape) * t.dtype.itemsize for t in self.tensors)
+
+
+ReadPiece = Callable[[Piece, torch.dtype], torch.Tensor]
+
+
+def fill(target: TargetFile, index: CheckpointIndex, read_piece: ReadPiece,
+         pad_value: float = 0.0) -> dict[Any, torch.Tensor]:
+    """Materialize every tensor of ``target`` from the source pieces in ``index``.
+
+    Elements of a shard that belong to no region (padding) get ``pad_value``. Returns
+    ``{name: tensor}``; raises BadCheckpoint if a region is not fully covered.
+    """
+    out = {}
+    cache: dict[int, torch.Tensor] = {}
+    for t in target.tensors:
+        buf = torch.full(t.shard.shape, pad_value, dtype=t.dtype)
+        for region, view in t.shard.views(buf):
+            info = index.tensors.get(region.key)
+            if info is None:
+                raise BadCheckpoint(f"source has no tensor {region.key!r}", path=index.url,
+                                    key=region.key)
+            sources = [p.region for p in info.pieces]
+            plan = plan_copies(sources, [region])
+            if sum(c.numel for c in plan) != region.numel:
+                raise BadCheckpoint("source pieces do not cover the target region", path=index.url,
+                                    key=region.key)
+            for c in plan:
+                piece = info.pieces[c.src]
+                src = cache.get(id(piece))
+                if src is None:
+                    src = cache[id(piece)] = read_piece(piece, info.dtype)
+                dst_view = region.view(view, c.box)
+                dst_view.copy_(piece.region.view(src, c.box))
+        out[t.name] = buf
+    return out
+
+
+def bytes_read(targets: list[TargetFile], index: CheckpointIndex) -> int:
+    """How many source bytes the plan reads (the overlaps, not whole pieces)."""
+    total = 0
+    for target in targets:
+        for t in target.tensors:
+            for region in t.shard.regions:
+                info = index.tensors.get(region.key)
+                if info is None:
+                    continue
+                plan = plan_copies([p.region for p in info.pieces], [region])
+                total += sum(c.numel for c in plan) * info.dtype.itemsize
+    return total

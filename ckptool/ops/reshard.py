@@ -1,0 +1,116 @@
+"""``ckptool reshard``: the same format, another TP/PP layout.
+
+The source topology is read from the checkpoint (``--tp/--pp/--dp`` for the source are
+assertions). Impossible targets are refused before anything is written. The output is
+written through an atomic output: DST appears whole, with its manifest, or not at all.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import converters
+from ckptool.checkpoint import open_checkpoint
+from ckptool.core.engine import bytes_read, fill
+from ckptool.core.errors import UsageError, UnsupportedFormat
+from ckptool.core.layout import check as check_layout
+from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifest
+from ckptool.core.storage import atomic_output
+from ckptool.core.topology import Topology
+
+RESHARDABLE = ("megatron",)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedFile:
+    path: str
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardResult:
+    source: str
+    destination: str
+    format: str
+    source_topology: dict
+    target_topology: dict
+    files: list[PlannedFile] = field(default_factory=list)
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    dry_run: bool = False
+
+
+def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers: int = 1,
+            dry_run: bool = False, overwrite: bool = False, true_vocab_size: int | None = None,
+            progress: Callable[[int], object] | None = None) -> ReshardResult:
+    """Rewrite checkpoint ``src`` at ``dst`` with the topology changed by ``to``.
+
+    ``to`` maps tp/pp/dp/vpp/zero to target values (missing keys keep the source's);
+    ``expect`` holds assertions about the source topology.
+    """
+    started = time.perf_counter()
+    opened = open_checkpoint(src)
+    fmt = opened.format
+    if fmt not in RESHARDABLE:
+        raise UnsupportedFormat(f"reshard of {fmt} checkpoints is not implemented yet",
+                                path=opened.store.url, hint=f"Supported now: {', '.join(RESHARDABLE)}")
+    index = opened.index
+    source_topo = index.topology
+    for name, value in (expect or {}).items():
+        if value is not None and getattr(source_topo, name) != value:
+            raise UsageError(f"--{name} {value} does not match the checkpoint, which is "
+                             f"{name.upper()}{getattr(source_topo, name)} ({source_topo})",
+                             path=opened.store.url, hint=f"Drop --{name} or fix it")
+    changes = {k: v for k, v in to.items() if v is not None}
+    if not changes:
+        raise UsageError("nothing to change", hint="Give at least one of --to-tp, --to-pp, --to-dp")
+    if "pp" in changes and "vpp" not in changes and changes["pp"] != source_topo.pp:
+        changes["vpp"] = 1
+    target_topo = replace(source_topo, **changes)
+    writer = converters.writer(fmt)
+    spec = writer.target_spec(index, source_topo, target_topo, true_vocab_size)
+    check_layout(spec, target_topo)
+    plan = writer.plan(index, target_topo, spec, schema=writer.source_schema(opened))
+    result = ReshardResult(
+        source=opened.store.url, destination=dst, format=fmt,
+        source_topology=source_topo.to_dict(), target_topology=target_topo.to_dict(),
+        files=[PlannedFile(f.path, f.nbytes) for f in plan], bytes_read=bytes_read(plan, index),
+        bytes_written=sum(f.nbytes for f in plan), dry_run=dry_run)
+    if dry_run:
+        return result
+
+    out = atomic_output(dst, overwrite=overwrite)
+    try:
+        def write_one(target):
+            tensors = fill(target, index, lambda p, d: opened.reader.read_piece(opened.store, p, d))
+            size, digest = writer.write_file(out.store, target, tensors, index,
+                                             true_vocab_size or index.true_vocab_size)
+            if progress:
+                progress(target.nbytes)
+            return FileEntry(target.path, size, digest)
+
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            entries = list(pool.map(write_one, plan))
+        extra = writer.finalize(out.store, index)
+        for rel, (size, digest) in hash_files(out.store, extra).items():
+            entries.append(FileEntry(rel, size, digest))
+        manifest = Manifest(format=fmt, files=sorted(entries, key=lambda e: e.path),
+                            topology=target_topo.to_dict(), model_config=index.model_config,
+                            true_vocab_size=true_vocab_size or index.true_vocab_size,
+                            iteration=index.iteration, format_version=index.format_version)
+        out.commit(lambda store: write_manifest(store, manifest))
+    except BaseException:
+        out.abort()
+        raise
+    return replace(result, destination=out.final.url, seconds=time.perf_counter() - started)
+
+
+def parse_to(tp=None, pp=None, dp=None, zero=None, vpp=None) -> dict:
+    return {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "vpp": vpp}
+
+
+__all__ = ["reshard", "ReshardResult", "PlannedFile", "Topology"]

@@ -1,0 +1,173 @@
+"""Real megatron-core GPT models on CPU (gloo), saved in Megatron's legacy layout and loaded
+back at any TP/PP, with a real pipelined forward. Runs in spawned processes.
+
+Shims (test only, per DESIGN.md): ``torch.cuda.current_device`` returns "cpu", the CUDA RNG
+tracker's ``fork`` is a null context, and the attention mask is an explicit causal mask;
+also ``Tensor.cuda`` is the identity, for the tied-embedding all-reduce at PP > 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SEQ, BATCH = 8, 2
+
+LLAMA = dict(num_layers=4, hidden_size=32, num_attention_heads=8, num_query_groups=4,
+             ffn_hidden_size=48, vocab_size=1000, swiglu=True, tied=False, bias=False,
+             norm="RMSNorm", pos="rope", max_pos=SEQ, divisible_by=128)
+GPT = dict(num_layers=4, hidden_size=32, num_attention_heads=8, num_query_groups=None,
+           ffn_hidden_size=64, vocab_size=1003, swiglu=False, tied=True, bias=True,
+           norm="LayerNorm", pos="learned_absolute", max_pos=SEQ, divisible_by=128)
+
+
+def padded(vocab: int, divisible_by: int, tp: int) -> int:
+    m = divisible_by * tp
+    return -(-vocab // m) * m
+
+
+def megatron_args(m: dict, tp: int, pp: int) -> argparse.Namespace:
+    """The args Megatron-LM stores in every rank file (the fields ckptool reads)."""
+    return argparse.Namespace(
+        num_layers=m["num_layers"], hidden_size=m["hidden_size"],
+        num_attention_heads=m["num_attention_heads"],
+        group_query_attention=m["num_query_groups"] is not None,
+        num_query_groups=m["num_query_groups"], ffn_hidden_size=m["ffn_hidden_size"],
+        kv_channels=m["hidden_size"] // m["num_attention_heads"],
+        padded_vocab_size=padded(m["vocab_size"], m["divisible_by"], tp),
+        make_vocab_size_divisible_by=m["divisible_by"], swiglu=m["swiglu"],
+        untie_embeddings_and_output_weights=not m["tied"], add_bias_linear=m["bias"],
+        normalization=m["norm"], position_embedding_type=m["pos"],
+        max_position_embeddings=m["max_pos"], tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, world_size=tp * pp, data_parallel_size=1,
+        params_dtype=torch.float32, seq_length=SEQ)
+
+
+def tokens() -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, 997, (BATCH, SEQ), generator=g)
+
+
+def _init(rank, world, tp, pp, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.cuda.current_device = lambda: "cpu"
+    # Tied embeddings with PP > 1: mcore moves the last stage's copy to CUDA before its
+    # all-reduce with the first stage. On CPU that copy stays where it is.
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp)
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    return parallel_state
+
+
+def _model(m: dict, tp: int, pp: int, pre: bool, post: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    act = torch.nn.functional.silu if m["swiglu"] else torch.nn.functional.gelu
+    cfg = TransformerConfig(
+        num_layers=m["num_layers"], hidden_size=m["hidden_size"],
+        num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
+        ffn_hidden_size=m["ffn_hidden_size"], use_cpu_initialization=True,
+        gated_linear_unit=m["swiglu"], activation_func=act, add_bias_linear=m["bias"],
+        normalization=m["norm"], params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0)
+    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization=m["norm"]),
+                    vocab_size=padded(m["vocab_size"], m["divisible_by"], tp), max_sequence_length=SEQ,
+                    pre_process=pre, post_process=post,
+                    share_embeddings_and_output_weights=m["tied"], position_embedding_type=m["pos"])
+
+
+def _forward(ps, model, m: dict, tp: int, pp: int) -> torch.Tensor | None:
+    """Pipelined forward; returns the full-vocab logits on the last stage's TP rank 0."""
+    rank, pp_rank, tp_rank = dist.get_rank(), ps.get_pipeline_model_parallel_rank(), \
+        ps.get_tensor_model_parallel_rank()
+    tok = tokens()
+    pos = torch.arange(SEQ).expand(BATCH, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
+    model.eval()
+    with torch.no_grad():
+        if pp_rank > 0:
+            hidden = torch.empty(SEQ, BATCH, m["hidden_size"])
+            dist.recv(hidden, src=rank - tp)
+            model.set_input_tensor(hidden)
+        out = model(tok, pos, mask)
+        if pp_rank < pp - 1:
+            dist.send(out.contiguous(), dst=rank + tp)
+            return None
+        parts = [torch.empty_like(out) for _ in range(tp)]
+        dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+        return torch.cat(parts, dim=-1)[..., :m["vocab_size"]] if tp_rank == 0 else None
+
+
+def _save_worker(rank, m, tp, root, port):
+    ps = _init(rank, tp, tp, 1, port)
+    torch.manual_seed(1234)
+    model = _model(m, tp, 1, True, True)
+    with torch.no_grad():  # non-trivial norms, so a norm mix-up cannot hide
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    it = Path(root) / "iter_0000010" / f"mp_rank_{rank:02d}"
+    it.mkdir(parents=True, exist_ok=True)
+    state = {"args": megatron_args(m, tp, 1), "iteration": 10, "checkpoint_version": 3.0,
+             "model": model.state_dict(),
+             "rng_state": [{"random_rng_state": None, "torch_rng_state": torch.get_rng_state()}],
+             "opt_param_scheduler": {"num_steps": 10, "max_lr": 3e-4}}
+    torch.save(state, it / "model_optim_rng.pt")
+    (Path(root) / "latest_checkpointed_iteration.txt").write_text("10")
+    logits = _forward(ps, model, m, tp, 1)
+    if logits is not None:
+        torch.save(logits, Path(root).parent / f"{Path(root).name}.logits.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _load_worker(rank, m, tp, pp, root, out, port):
+    ps = _init(rank, tp * pp, tp, pp, port)
+    pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    model = _model(m, tp, pp, pp_rank == 0, pp_rank == pp - 1)
+    rank_dir = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    tracker = (Path(root) / "latest_checkpointed_iteration.txt").read_text().strip()
+    state = torch.load(Path(root) / f"iter_{int(tracker):07d}" / rank_dir / "model_optim_rng.pt",
+                       weights_only=False)
+    # What Megatron-LM's loader asserts and does.
+    assert state["args"].tensor_model_parallel_size == tp
+    assert state["args"].pipeline_model_parallel_size == pp
+    assert "iteration" in state and "rng_state" in state
+    model.load_state_dict(state["model"], strict=True)
+    logits = _forward(ps, model, m, tp, pp)
+    if logits is not None:
+        torch.save(logits, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _spawn(fn, nprocs, *args):
+    import torch.multiprocessing as mp
+
+    from tests.conftest import free_port
+
+    mp.spawn(fn, args=(*args, free_port()), nprocs=nprocs, join=True)
+
+
+def save_real(m: dict, tp: int, root: Path) -> torch.Tensor:
+    """Build a real mcore model at TP=tp, save it in the legacy layout, return its logits."""
+    _spawn(_save_worker, tp, m, tp, str(root))
+    return torch.load(root.parent / f"{root.name}.logits.pt")
+
+
+def load_logits(m: dict, tp: int, pp: int, root: Path) -> torch.Tensor:
+    """Load a legacy checkpoint into real mcore stage models at TP/PP; return logits."""
+    out = root.parent / f"{root.name}.loaded-logits.pt"
+    _spawn(_load_worker, tp * pp, m, tp, pp, str(root), str(out))
+    return torch.load(out)
