@@ -31,7 +31,9 @@ from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
 from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo
 from ckptool.core.layout import ModelSpec, layout, stage_layers
 from ckptool.core.manifest import HashingWriter
-from ckptool.core.safe_pickle import torch_load
+from ckptool.core import torchfile
+from ckptool.core.regions import byte_runs
+from ckptool.core.torchfile import Pending, TensorRef, TorchFile
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from converters.megatron_common import (ITER_DIR, SCHEMAS, TRACKER, detect_schema, iteration_dir,
@@ -83,7 +85,7 @@ class MegatronReader(Reader):
     name = NAME
 
     def __init__(self):
-        self._files: dict[str, dict] = {}
+        self._files: dict[str, TorchFile] = {}
 
     @classmethod
     def detect(cls, store: Store) -> bool:
@@ -95,18 +97,17 @@ class MegatronReader(Reader):
         iters = [n for n, d in store.ls() if d and ITER_DIR.match(n)]
         return bool(iters) and _has_rank_dirs(store, sorted(iters)[-1])
 
-    def _load(self, store: Store, rel: str) -> dict:
+    def _load(self, store: Store, rel: str) -> TorchFile:
+        """The rank file's archive index; tensors stay on disk until a box is read."""
         if rel not in self._files:
-            if store.is_local:
-                try:
-                    data = torch_load(store.path(rel), store.display(rel), mmap=True)
-                except FileNotFoundError:
-                    raise BadCheckpoint("rank file is missing", path=store.display(rel)) from None
-            else:
-                data = torch_load(store.read_bytes(rel), store.display(rel))
-            if not isinstance(data, dict):
+            try:
+                read = store.range_reader(rel)
+            except UnreadableInput:
+                raise BadCheckpoint("rank file is missing", path=store.display(rel)) from None
+            archive = TorchFile(read, read.size, store.display(rel))
+            if not isinstance(archive.obj, dict):
                 raise BadCheckpoint("rank file does not hold a dict", path=store.display(rel))
-            self._files[rel] = data
+            self._files[rel] = archive
         return self._files[rel]
 
     def _rank_files(self, store: Store) -> list[_RankFile]:
@@ -127,7 +128,7 @@ class MegatronReader(Reader):
 
     def read_index(self, store: Store) -> CheckpointIndex:
         files = self._rank_files(store)
-        first = self._load(store, files[0].rel)
+        first = self._load(store, files[0].rel).obj
         args = first.get("args")
         if not isinstance(args, argparse.Namespace):
             raise BadCheckpoint("rank file has no Megatron `args`", path=store.display(files[0].rel),
@@ -141,18 +142,20 @@ class MegatronReader(Reader):
                                 iteration=_iteration(first), written_by_ckptool=MARK in first,
                                 format_version=None if version is None else str(version))
         index.objects["args"] = ObjectInfo("args", value=args)
+        archive0 = self._load(store, files[0].rel)
         for key in CARRIED:
             if key in first:
-                index.objects[key] = ObjectInfo(key, value=first[key])
+                index.objects[key] = ObjectInfo(key, value=archive0.materialize(first[key]))
         params = params_by_key(spec)
         stages = stage_layers(spec, topo.pp, topo.vpp)
         padded = spec.padded_vocab(topo.tp)
         for f in files:
-            data = self._load(store, f.rel)
+            archive = self._load(store, f.rel)
+            data = archive.obj
             index.files[f.rel] = 1
             if "rng_state" in data:
                 index.objects[f"rank.{f.tp:02d}_{f.pp:03d}.rng_state"] = ObjectInfo(
-                    "rng_state", value=data["rng_state"])
+                    "rng_state", value=archive.materialize(data["rng_state"]))
             for chunk_key, chunk in _model_chunks(data, topo.vpp):
                 flat = _flatten(data[chunk_key])
                 schema = detect_schema(flat)
@@ -162,7 +165,7 @@ class MegatronReader(Reader):
                 for local_name, value in flat.items():
                     if local_name.endswith(EXTRA):
                         key = "extra:" + _global_module(local_name[:-len(EXTRA) - 1], layers)
-                        index.objects.setdefault(key, ObjectInfo(key, value=value))
+                        index.objects.setdefault(key, ObjectInfo(key, value=archive.materialize(value)))
                         continue
                     canonical, replica = to_canonical(schema, local_name, layers, spec.tied_embeddings)
                     _add_piece(index, params, canonical, replica, f, chunk_key, local_name, value,
@@ -172,12 +175,19 @@ class MegatronReader(Reader):
                 raise BadCheckpoint("tensor has only replicas, no primary copy", path=store.url, key=key)
         return index
 
-    def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+    def _ref(self, store: Store, piece: Piece) -> tuple[TorchFile, TensorRef, int]:
         chunk_key, local_name, offset = piece.location.detail
-        data = self._load(store, piece.location.file)
-        tensor = _flatten(data[chunk_key])[local_name]
-        n = piece.region.numel
-        return tensor.reshape(-1)[offset:offset + n].view(piece.region.local_shape)
+        archive = self._load(store, piece.location.file)
+        return archive, _flatten(archive.obj[chunk_key])[local_name], offset
+
+    def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+        archive, ref, offset = self._ref(store, piece)
+        return archive.read_elements(ref, offset, piece.region.numel).view(piece.region.local_shape)
+
+    def read_box(self, store: Store, piece: Piece, dtype: torch.dtype, box) -> torch.Tensor:
+        archive, ref, offset = self._ref(store, piece)
+        runs = [(offset + start, n) for start, n in byte_runs(piece.region, box)]
+        return archive.read_runs(ref, runs).view(box[1])
 
 
 def _add_piece(index, params, canonical, replica, f, chunk_key, local_name, value, padded, topo,
@@ -188,7 +198,7 @@ def _add_piece(index, params, canonical, replica, f, chunk_key, local_name, valu
     if param is None:
         raise BadCheckpoint(f"tensor {local_name!r} does not fit the model described by args",
                             path=store.display(f.rel), key=canonical)
-    if not isinstance(value, torch.Tensor):
+    if not isinstance(value, TensorRef):
         raise BadCheckpoint("expected a tensor", path=store.display(f.rel), key=local_name)
     shard = split(param, f.tp, topo.tp, padded)
     if tuple(value.shape) != shard.shape:
@@ -320,21 +330,23 @@ class MegatronWriter:
             files.append(target)
         return files
 
-    def write_file(self, store: Store, target: TargetFile, tensors: dict, index: CheckpointIndex,
+    def write_file(self, store: Store, target: TargetFile, produce, index: CheckpointIndex,
                    true_vocab_size: int | None) -> tuple[int, str]:
+        """Stream one rank file: ``produce(target_tensor)`` fills each tensor as it is written."""
         ctx = target.context
         topo, spec, schema = ctx["topo"], ctx["spec"], ctx["schema"]
+        pending = {}
         chunks: dict[str, dict] = {}
-        for (chunk_key, name), tensor in tensors.items():
-            chunks.setdefault(chunk_key, {})[name] = tensor
+        for t in target.tensors:
+            chunk_key, name = t.name
+            pending[t.name] = t
+            chunks.setdefault(chunk_key, {})[name] = Pending(t.name, t.shard.shape, t.dtype)
         state: dict[str, Any] = {}
         for key in CARRIED:
             if key in index.objects:
                 state[key] = copy.deepcopy(index.objects[key].value)
-        if "checkpoint_version" not in state:
-            state["checkpoint_version"] = 3.0
-        if "iteration" not in state:
-            state["iteration"] = index.iteration or 0
+        state.setdefault("checkpoint_version", 3.0)
+        state.setdefault("iteration", index.iteration or 0)
         args = index.objects.get("args")
         state["args"] = update_args(args.value if args else None, spec, topo, true_vocab_size)
         rng = _pick_rng(index, ctx["tp"], ctx["pp"])
@@ -352,7 +364,7 @@ class MegatronWriter:
         store.fs.makedirs(store.path(target.path.rsplit("/", 1)[0]), exist_ok=True)
         with store.open_file(target.path, "wb") as raw:
             out = HashingWriter(raw)
-            torch.save(state, out)
+            torchfile.save(state, out, lambda p: produce(pending[p.key]))
             out.fsync()
         return out.size, out.hexdigest()
 

@@ -42,39 +42,37 @@ class TargetFile:
         return sum(math.prod(t.shard.shape) * t.dtype.itemsize for t in self.tensors)
 
 
-ReadPiece = Callable[[Piece, torch.dtype], torch.Tensor]
+ReadBox = Callable[[Piece, torch.dtype, tuple], torch.Tensor]
+"""Read global box ``box`` (inside the piece's region) of a stored piece, box-shaped."""
 
 
-def fill(target: TargetFile, index: CheckpointIndex, read_piece: ReadPiece,
-         pad_value: float = 0.0) -> dict[Any, torch.Tensor]:
-    """Materialize every tensor of ``target`` from the source pieces in ``index``.
+def fill_tensor(t: TargetTensor, index: CheckpointIndex, read_box: ReadBox,
+                pad_value: float = 0.0) -> torch.Tensor:
+    """Materialize one target tensor from the source pieces, reading only the overlaps.
 
-    Elements of a shard that belong to no region (padding) get ``pad_value``. Returns
-    ``{name: tensor}``; raises BadCheckpoint if a region is not fully covered.
+    Elements that belong to no region (padding) get ``pad_value``. Raises BadCheckpoint
+    if a region is not fully covered by the source.
     """
-    out = {}
-    cache: dict[int, torch.Tensor] = {}
-    for t in target.tensors:
-        buf = torch.full(t.shard.shape, pad_value, dtype=t.dtype)
-        for region, view in t.shard.views(buf):
-            info = index.tensors.get(region.key)
-            if info is None:
-                raise BadCheckpoint(f"source has no tensor {region.key!r}", path=index.url,
-                                    key=region.key)
-            sources = [p.region for p in info.pieces]
-            plan = plan_copies(sources, [region])
-            if sum(c.numel for c in plan) != region.numel:
-                raise BadCheckpoint("source pieces do not cover the target region", path=index.url,
-                                    key=region.key)
-            for c in plan:
-                piece = info.pieces[c.src]
-                src = cache.get(id(piece))
-                if src is None:
-                    src = cache[id(piece)] = read_piece(piece, info.dtype)
-                dst_view = region.view(view, c.box)
-                dst_view.copy_(piece.region.view(src, c.box))
-        out[t.name] = buf
-    return out
+    buf = torch.full(t.shard.shape, pad_value, dtype=t.dtype)
+    for region, view in t.shard.views(buf):
+        info = index.tensors.get(region.key)
+        if info is None:
+            raise BadCheckpoint(f"source has no tensor {region.key!r}", path=index.url,
+                                key=region.key)
+        plan = plan_copies([p.region for p in info.pieces], [region])
+        if sum(c.numel for c in plan) != region.numel:
+            raise BadCheckpoint("source pieces do not cover the target region", path=index.url,
+                                key=region.key)
+        for c in plan:
+            src = read_box(info.pieces[c.src], info.dtype, c.box)
+            region.view(view, c.box).copy_(src.reshape(c.box[1]))
+    return buf
+
+
+def fill(target: TargetFile, index: CheckpointIndex, read_box: ReadBox,
+         pad_value: float = 0.0) -> dict[Any, torch.Tensor]:
+    """Every tensor of ``target`` (all in memory: for tests and small files)."""
+    return {t.name: fill_tensor(t, index, read_box, pad_value) for t in target.tensors}
 
 
 def bytes_read(targets: list[TargetFile], index: CheckpointIndex) -> int:

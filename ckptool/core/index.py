@@ -97,6 +97,11 @@ class Reader:
         """The piece's local tensor, of shape ``piece.region.local_shape``."""
         raise NotImplementedError
 
+    def read_box(self, store: Store, piece: Piece, dtype: torch.dtype, box) -> torch.Tensor:
+        """Global ``box`` of a piece (contiguous, box-shaped). Formats that can fetch byte
+        ranges override this to read only the box; the default reads the whole piece."""
+        return piece.region.view(self.read_piece(store, piece, dtype), box).contiguous()
+
     def read_object(self, store: Store, obj: ObjectInfo) -> Any:
         """The value of a named object (Opaque when its pickle is not allowlisted)."""
         if obj.location is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,12 +119,60 @@ class Store:
         except FileNotFoundError:
             raise UnreadableInput("file not found", path=_join_url(self.url, rel)) from None
 
+    def range_reader(self, rel: str) -> "RangeReader":
+        """A reader of byte ranges of one file that keeps it open (pread when local)."""
+        return RangeReader(self, rel)
+
     def write_bytes(self, rel: str, data: bytes) -> None:
         with self.fs.open(self.path(rel), "wb") as f:
             f.write(data)
 
     def display(self, rel: str = "") -> str:
         return _join_url(self.url, rel) if rel else self.url
+
+
+class RangeReader:
+    """``reader(start, end) -> bytes`` over one file; ``size`` is known up front."""
+
+    def __init__(self, store: Store, rel: str):
+        self.source = store.display(rel)
+        try:
+            if store.is_local:
+                self._fd = os.open(store.path(rel), os.O_RDONLY)
+                self._file = None
+                self.size = os.fstat(self._fd).st_size
+            else:
+                self._fd = None
+                self._file = store.fs.open(store.path(rel), "rb", block_size=8 << 20)
+                self.size = int(self._file.size)
+        except FileNotFoundError:
+            raise UnreadableInput("file not found", path=self.source) from None
+        self._lock = threading.Lock()
+
+    def __call__(self, start: int, end: int) -> bytes:
+        if self._fd is not None:
+            data = os.pread(self._fd, end - start, start)
+            if len(data) < end - start and data:  # a single pread stops at 2 GiB
+                parts = [data]
+                got = len(data)
+                while got < end - start:
+                    more = os.pread(self._fd, end - start - got, start + got)
+                    if not more:
+                        break
+                    parts.append(more)
+                    got += len(more)
+                data = b"".join(parts)
+            return data
+        with self._lock:
+            self._file.seek(start)
+            return self._file.read(end - start)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = -1
+        elif self._file is not None:
+            self._file.close()
 
 
 def _join_url(url: str, rel: str) -> str:

@@ -14,7 +14,7 @@ from typing import Callable
 
 import converters
 from ckptool.checkpoint import open_checkpoint
-from ckptool.core.engine import bytes_read, fill
+from ckptool.core.engine import bytes_read, fill_tensor
 from ckptool.core.errors import UsageError, UnsupportedFormat
 from ckptool.core.layout import check as check_layout
 from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifest
@@ -85,9 +85,12 @@ def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers
 
     out = atomic_output(dst, overwrite=overwrite)
     try:
+        def read_box(piece, dtype, box):
+            return opened.reader.read_box(opened.store, piece, dtype, box)
+
         def write_one(target):
-            tensors = fill(target, index, lambda p, d: opened.reader.read_piece(opened.store, p, d))
-            size, digest = writer.write_file(out.store, target, tensors, index,
+            size, digest = writer.write_file(out.store, target,
+                                             lambda t: fill_tensor(t, index, read_box), index,
                                              true_vocab_size or index.true_vocab_size)
             if progress:
                 progress(target.nbytes)

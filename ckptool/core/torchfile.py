@@ -1,0 +1,414 @@
+"""``torch.save`` archives, read by byte ranges and written as a stream.
+
+A ``torch.save`` file is an uncompressed zip: ``archive/data.pkl`` (the pickled object,
+whose tensors refer to storages by key) and ``archive/data/<key>`` (each storage's raw
+bytes). ckptool reads it without ``torch.load``:
+
+* the pickle goes through a restricted unpickler in which tensors become
+  :class:`TensorRef` (storage key, offset, shape, dtype: no bytes are read) and any class
+  outside the allowlist becomes an inert :class:`OpaqueObject` that remembers its name and
+  arguments (nothing is imported or run);
+* bytes are fetched by range (``pread`` locally, range requests on object stores), so a
+  reshard reads only the regions it needs and holds none of the file in memory.
+
+:func:`save` writes the same format as a stream: the pickle first, then each tensor's
+bytes as it is produced, so a writer holds one tensor at a time. Opaque objects are
+written back under their original names, so what ckptool could not interpret survives
+unchanged.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import pickle
+import struct
+import sys
+import zipfile
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable
+
+import torch
+
+from ckptool.core.errors import BadCheckpoint
+
+_STORAGE_DTYPES = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+}
+_STORAGE_NAMES = {v: k for k, v in _STORAGE_DTYPES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class StorageRef:
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor inside a torch.save archive, not yet read."""
+
+    storage: StorageRef
+    offset: int
+    """Element offset into the storage."""
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def contiguous(self) -> bool:
+        expect, acc = [], 1
+        for n in reversed(self.shape):
+            expect.append(acc)
+            acc *= n
+        return all(n == 1 or s == e for n, s, e in zip(self.shape, self.stride, reversed(expect)))
+
+
+class OpaqueObject:
+    """An object of a class outside the allowlist: its global name, arguments and state.
+
+    Built by the unpickler instead of the real class (which is never imported), and
+    pickled back under the original name with the same arguments and state.
+    """
+
+    _opaque_module = "?"
+    _opaque_name = "?"
+
+    def __new__(cls, *args):
+        obj = object.__new__(cls)
+        obj._args, obj._state, obj._via_new = args, None, True
+        obj._items, obj._list = {}, []
+        return obj
+
+    def __init__(self, *args):
+        self._args, self._via_new = args, False
+
+    def __setstate__(self, state):
+        self._state = state
+
+    def __setitem__(self, key, value):  # dict subclasses
+        self._items[key] = value
+
+    def append(self, value):  # list subclasses
+        self._list.append(value)
+
+    def extend(self, values):
+        self._list.extend(values)
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self._opaque_module}.{self._opaque_name}"
+
+    def __repr__(self) -> str:
+        return f"<opaque {self.qualified_name}{self._args!r}>"
+
+    def __eq__(self, other):
+        return isinstance(other, OpaqueObject) and self.qualified_name == other.qualified_name \
+            and (self._args, self._state, self._items, self._list) == \
+            (other._args, other._state, other._items, other._list)
+
+    __hash__ = None
+
+
+_OPAQUE_TYPES: dict[tuple[str, str], type] = {}
+
+
+def _opaque_class(module: str, name: str) -> type:
+    cls = _OPAQUE_TYPES.get((module, name))
+    if cls is None:
+        cls = _OPAQUE_TYPES[(module, name)] = type(
+            name, (OpaqueObject,), {"_opaque_module": module, "_opaque_name": name,
+                                    "__module__": "ckptool.opaque"})
+    return cls
+
+
+def _safe_globals() -> dict[tuple[str, str], Any]:
+    import argparse
+    import types
+
+    safe = {
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("argparse", "Namespace"): argparse.Namespace,
+        ("types", "SimpleNamespace"): types.SimpleNamespace,
+        ("builtins", "set"): set,
+        ("builtins", "frozenset"): frozenset,
+        ("builtins", "bytearray"): bytearray,
+        ("builtins", "slice"): slice,
+        ("builtins", "complex"): complex,
+        ("_codecs", "encode"): _codecs_encode,
+        ("torch", "Size"): torch.Size,
+    }
+    try:
+        import numpy as np
+
+        core = "numpy._core.multiarray" if hasattr(np, "_core") else "numpy.core.multiarray"
+        reconstruct = getattr(np, "_core", None) or np.core
+        for mod in ("numpy._core.multiarray", "numpy.core.multiarray", core):
+            safe[(mod, "_reconstruct")] = reconstruct.multiarray._reconstruct
+            safe[(mod, "scalar")] = reconstruct.multiarray.scalar
+        safe[("numpy", "ndarray")] = np.ndarray
+        safe[("numpy", "dtype")] = np.dtype
+        for name in dir(np.dtypes) if hasattr(np, "dtypes") else ():
+            if name.endswith("DType"):
+                safe[("numpy.dtypes", name)] = getattr(np.dtypes, name)
+    except ImportError:
+        pass
+    return safe
+
+
+def _codecs_encode(text, encoding="latin1"):
+    return text.encode(encoding)
+
+
+_SAFE = _safe_globals()
+
+
+def _rebuild_tensor(storage, offset, size, stride, *rest):
+    return TensorRef(storage, int(offset), tuple(size), tuple(stride))
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SAFE:
+            return _SAFE[(module, name)]
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor"):
+            return _rebuild_tensor
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        return _opaque_class(module, name)
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        _, dtype, key, _location, numel = pid
+        if not isinstance(dtype, torch.dtype):
+            dtype = torch.uint8  # an untyped storage
+        return StorageRef(str(key), dtype, int(numel))
+
+
+class TorchFile:
+    """The index of one torch.save archive: the object tree and where each storage is."""
+
+    def __init__(self, read: Callable[[int, int], bytes], size: int, source: str):
+        self.source = source
+        self._read = read
+        self._offsets: dict[str, int] = {}
+        try:
+            zf = zipfile.ZipFile(_RangeFile(read, size))
+            infos = zf.infolist()
+        except (zipfile.BadZipFile, OSError, ValueError) as exc:
+            raise BadCheckpoint(f"not a readable torch.save archive ({exc})", path=source) from None
+        pkl = None
+        for info in infos:
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise BadCheckpoint("compressed torch.save archive", path=source)
+            header = read(info.header_offset, info.header_offset + 30)
+            name_len, extra_len = struct.unpack("<HH", header[26:30])
+            start = info.header_offset + 30 + name_len + extra_len
+            _, _, rest = info.filename.partition("/")
+            if rest == "data.pkl":
+                pkl = read(start, start + info.file_size)
+            elif rest.startswith("data/"):
+                self._offsets[rest[len("data/"):]] = start
+        if pkl is None:
+            raise BadCheckpoint("torch.save archive without data.pkl", path=source)
+        try:
+            self.obj = _Unpickler(io.BytesIO(pkl)).load()
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+            raise BadCheckpoint(f"damaged pickle in torch.save archive ({exc})", path=source) from None
+
+    def read_elements(self, ref: TensorRef, start: int, count: int) -> torch.Tensor:
+        """``count`` elements from flat element ``start`` of a contiguous tensor."""
+        if not ref.contiguous:
+            raise BadCheckpoint("non-contiguous stored tensor", path=self.source)
+        base = self._offsets.get(ref.storage.key)
+        if base is None:
+            raise BadCheckpoint(f"storage {ref.storage.key} is missing from the archive", path=self.source)
+        item = ref.dtype.itemsize
+        begin = base + (ref.offset + start) * item
+        data = self._read(begin, begin + count * item)
+        if len(data) != count * item:
+            raise BadCheckpoint("archive is truncated", path=self.source)
+        return torch.frombuffer(bytearray(data), dtype=ref.dtype) if count else \
+            torch.empty(0, dtype=ref.dtype)
+
+    def read_runs(self, ref: TensorRef, runs: list[tuple[int, int]]) -> torch.Tensor:
+        """Concatenated element runs ``(start, count)`` of a contiguous tensor."""
+        parts = [self.read_elements(ref, s, n) for s, n in runs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def load(self, ref: TensorRef) -> torch.Tensor:
+        return self.read_elements(ref, 0, ref.numel).view(ref.shape) if ref.numel else \
+            torch.empty(ref.shape, dtype=ref.dtype)
+
+    def materialize(self, tree: Any) -> Any:
+        """The object tree with every TensorRef read into a real tensor."""
+        if isinstance(tree, TensorRef):
+            return self.load(tree)
+        if isinstance(tree, dict):
+            return type(tree)((k, self.materialize(v)) for k, v in tree.items()) \
+                if not isinstance(tree, collections.OrderedDict) else \
+                collections.OrderedDict((k, self.materialize(v)) for k, v in tree.items())
+        if isinstance(tree, list):
+            return [self.materialize(v) for v in tree]
+        if isinstance(tree, tuple):
+            return tuple(self.materialize(v) for v in tree)
+        return tree
+
+
+class _RangeFile(io.RawIOBase):
+    """A seekable read-only file over a range-read function (for zipfile's directory scan)."""
+
+    def __init__(self, read, size):
+        self._read, self._size, self._pos = read, size, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, pos, whence=0):
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else self._size + pos
+        return self._pos
+
+    def tell(self):
+        return self._pos
+
+    def read(self, n=-1):
+        end = self._size if n is None or n < 0 else min(self._size, self._pos + n)
+        data = self._read(self._pos, end) if end > self._pos else b""
+        self._pos += len(data)
+        return data
+
+    def readinto(self, b):
+        data = self.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+
+# ------------------------------------------------------------------------------ writing
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A tensor to be produced while the archive is written (shape and dtype known now)."""
+
+    key: Any
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _Slot:
+    __slots__ = ("index", "dtype", "numel", "source")
+
+    def __init__(self, index, dtype, numel, source):
+        self.index, self.dtype, self.numel, self.source = index, dtype, numel, source
+
+
+class _Pickler(pickle._Pickler):  # the pure-Python pickler: it lets us write GLOBALs ourselves
+    def __init__(self, file, slots):
+        super().__init__(file, protocol=2)
+        self._slots = slots
+
+    def _slot(self, dtype, numel, source):
+        slot = _Slot(len(self._slots), dtype, numel, source)
+        self._slots.append(slot)
+        return slot
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (Pending, torch.Tensor)):
+            shape = tuple(obj.shape)
+            strides, acc = [], 1
+            for n in reversed(shape):
+                strides.append(acc)
+                acc *= n
+            slot = self._slot(obj.dtype, math.prod(shape), obj)
+            return (_GLOBAL_REBUILD, (slot, 0, torch.Size(shape), tuple(reversed(strides)), False,
+                                      collections.OrderedDict()))
+        if isinstance(obj, OpaqueObject):
+            cls = _Global(obj._opaque_module, obj._opaque_name)
+            func, args = ((_Global("copyreg", "__newobj__"), (cls, *obj._args)) if obj._via_new
+                          else (cls, obj._args))
+            return (func, args, obj._state, iter(obj._list) if obj._list else None,
+                    iter(obj._items.items()) if obj._items else None)
+        if isinstance(obj, type) and issubclass(obj, OpaqueObject):
+            return NotImplemented
+        return NotImplemented
+
+    def persistent_id(self, obj):
+        if isinstance(obj, _Slot):
+            return ("storage", _Global("torch", _STORAGE_NAMES[obj.dtype]), str(obj.index), "cpu",
+                    obj.numel)
+        return None
+
+    def save_global(self, obj, name=None):
+        if isinstance(obj, _Global):
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+    dispatch = dict(pickle._Pickler.dispatch)
+
+
+class _Global:
+    """A global referenced by name only (never imported)."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module, name):
+        self.module, self.name = module, name
+
+    def __call__(self, *args):  # pickle insists that a reduce function is callable
+        raise TypeError(f"{self.module}.{self.name} is a name only")
+
+
+_Pickler.dispatch[_Global] = lambda self, obj: self.save_global(obj)
+_GLOBAL_REBUILD = _Global("torch._utils", "_rebuild_tensor_v2")
+
+
+def save(obj: Any, stream: BinaryIO, produce: Callable[[Pending], torch.Tensor] | None = None) -> None:
+    """Write ``obj`` as a torch.save archive to ``stream``, producing Pending tensors on demand.
+
+    ``torch.load`` reads the result. Memory: the pickle plus one tensor at a time.
+    """
+    slots: list[_Slot] = []
+    buf = io.BytesIO()
+    _Pickler(buf, slots).dump(obj)
+    try:
+        writer = torch._C.PyTorchFileWriter(stream, True, 64)
+    except TypeError:  # older torch: (buffer) only
+        writer = torch._C.PyTorchFileWriter(stream)
+    data = buf.getvalue()
+    writer.write_record("data.pkl", data, len(data))
+    writer.write_record(".format_version", "1", 1)
+    writer.write_record(".storage_alignment", "64", 2)
+    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    for slot in slots:
+        src = slot.source
+        tensor = produce(src) if isinstance(src, Pending) else src
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.dtype != slot.dtype or tensor.numel() != slot.numel:
+            raise ValueError(f"produced tensor for {getattr(src, 'key', '?')!r} is "
+                             f"{tensor.dtype} x{tensor.numel()}, expected {slot.dtype} x{slot.numel}")
+        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()
+        storage = tensor.untyped_storage()
+        writer.write_record(f"data/{slot.index}", storage, storage.nbytes())
+        del tensor, storage
+    writer.write_end_of_file()
