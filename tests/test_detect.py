@@ -102,7 +102,15 @@ def test_unknown_directory_lists_what_was_found(tmp_path, run_cli):
     assert "Expected one of dcp, megatron-dist, megatron, deepspeed, deepspeed-universal, hf" in res.err
 
 
-@pytest.mark.parametrize("build,issue", [(megatron_legacy, 3), (deepspeed, 5), (hf, 6)])
+def test_damaged_megatron_rank_file_is_a_bad_checkpoint(tmp_path, run_cli):
+    root = megatron_legacy(tmp_path / "ckpt")
+    res = run_cli("inspect", root)
+    assert res.code == 1
+    assert "not a readable torch.save archive" in res.err
+    assert "iter_0000200/mp_rank_00_000/model_optim_rng.pt" in res.err
+
+
+@pytest.mark.parametrize("build,issue", [(deepspeed, 5), (hf, 6)])
 def test_detected_but_unread_formats_say_so(tmp_path, run_cli, build, issue):
     root = build(tmp_path / "ckpt")
     res = run_cli("inspect", root)

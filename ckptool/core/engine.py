@@ -42,8 +42,8 @@ class TargetFile:
         return sum(math.prod(t.shard.shape) * t.dtype.itemsize for t in self.tensors)
 
 
-ReadBox = Callable[[Piece, torch.dtype, tuple], torch.Tensor]
-"""Read global box ``box`` (inside the piece's region) of a stored piece, box-shaped."""
+ReadBox = Callable[[Piece, torch.dtype, tuple, torch.Tensor], None]
+"""Write global ``box`` (inside the piece's region) of a stored piece into a view."""
 
 
 def fill_tensor(t: TargetTensor, index: CheckpointIndex, read_box: ReadBox,
@@ -53,7 +53,9 @@ def fill_tensor(t: TargetTensor, index: CheckpointIndex, read_box: ReadBox,
     Elements that belong to no region (padding) get ``pad_value``. Raises BadCheckpoint
     if a region is not fully covered by the source.
     """
-    buf = torch.full(t.shard.shape, pad_value, dtype=t.dtype)
+    covered = sum(r.numel for r in t.shard.regions) == math.prod(t.shard.shape)
+    buf = torch.empty(t.shard.shape, dtype=t.dtype) if covered else \
+        torch.full(t.shard.shape, pad_value, dtype=t.dtype)
     for region, view in t.shard.views(buf):
         info = index.tensors.get(region.key)
         if info is None:
@@ -64,8 +66,7 @@ def fill_tensor(t: TargetTensor, index: CheckpointIndex, read_box: ReadBox,
             raise BadCheckpoint("source pieces do not cover the target region", path=index.url,
                                 key=region.key)
         for c in plan:
-            src = read_box(info.pieces[c.src], info.dtype, c.box)
-            region.view(view, c.box).copy_(src.reshape(c.box[1]))
+            read_box(info.pieces[c.src], info.dtype, c.box, region.view(view, c.box))
     return buf
 
 

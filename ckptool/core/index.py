@@ -102,6 +102,11 @@ class Reader:
         ranges override this to read only the box; the default reads the whole piece."""
         return piece.region.view(self.read_piece(store, piece, dtype), box).contiguous()
 
+    def read_box_into(self, store: Store, piece: Piece, dtype: torch.dtype, box,
+                      out: torch.Tensor) -> None:
+        """Write global ``box`` of a piece into ``out`` (a box-shaped, possibly strided view)."""
+        out.copy_(self.read_box(store, piece, dtype, box).view(out.shape))
+
     def read_object(self, store: Store, obj: ObjectInfo) -> Any:
         """The value of a named object (Opaque when its pickle is not allowlisted)."""
         if obj.location is None:

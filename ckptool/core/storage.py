@@ -167,6 +167,21 @@ class RangeReader:
             self._file.seek(start)
             return self._file.read(end - start)
 
+    def readinto(self, start: int, out: memoryview) -> int:
+        """Fill ``out`` with the bytes from ``start``: straight from the page cache when local."""
+        want = out.nbytes
+        if self._fd is not None:
+            got = 0
+            while got < want:
+                n = os.preadv(self._fd, [out[got:]], start + got)
+                if n <= 0:
+                    break
+                got += n
+            return got
+        data = self(start, start + want)
+        out[:len(data)] = data
+        return len(data)
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

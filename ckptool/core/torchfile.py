@@ -25,6 +25,7 @@ import math
 import pickle
 import struct
 import sys
+import uuid
 import zipfile
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
@@ -231,25 +232,42 @@ class TorchFile:
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
             raise BadCheckpoint(f"damaged pickle in torch.save archive ({exc})", path=source) from None
 
-    def read_elements(self, ref: TensorRef, start: int, count: int) -> torch.Tensor:
-        """``count`` elements from flat element ``start`` of a contiguous tensor."""
+    def read_into(self, ref: TensorRef, start: int, out: torch.Tensor) -> None:
+        """Fill the contiguous 1-D ``out`` with elements from flat element ``start``."""
         if not ref.contiguous:
             raise BadCheckpoint("non-contiguous stored tensor", path=self.source)
         base = self._offsets.get(ref.storage.key)
         if base is None:
             raise BadCheckpoint(f"storage {ref.storage.key} is missing from the archive", path=self.source)
+        if out.numel() == 0:
+            return
         item = ref.dtype.itemsize
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.dtype != torch.uint8 \
+            else memoryview(out.numpy()).cast("B")
         begin = base + (ref.offset + start) * item
-        data = self._read(begin, begin + count * item)
-        if len(data) != count * item:
+        if hasattr(self._read, "readinto"):
+            got = self._read.readinto(begin, view)
+        else:
+            data = self._read(begin, begin + view.nbytes)
+            got = len(data)
+            view[:got] = data
+        if got != view.nbytes:
             raise BadCheckpoint("archive is truncated", path=self.source)
-        return torch.frombuffer(bytearray(data), dtype=ref.dtype) if count else \
-            torch.empty(0, dtype=ref.dtype)
+
+    def read_elements(self, ref: TensorRef, start: int, count: int) -> torch.Tensor:
+        """``count`` elements from flat element ``start`` of a contiguous tensor."""
+        out = torch.empty(count, dtype=ref.dtype)
+        self.read_into(ref, start, out)
+        return out
 
     def read_runs(self, ref: TensorRef, runs: list[tuple[int, int]]) -> torch.Tensor:
         """Concatenated element runs ``(start, count)`` of a contiguous tensor."""
-        parts = [self.read_elements(ref, s, n) for s, n in runs]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = torch.empty(sum(n for _, n in runs), dtype=ref.dtype)
+        pos = 0
+        for start, n in runs:
+            self.read_into(ref, start, out[pos:pos + n])
+            pos += n
+        return out
 
     def load(self, ref: TensorRef) -> torch.Tensor:
         return self.read_elements(ref, 0, ref.numel).view(ref.shape) if ref.numel else \
@@ -382,23 +400,94 @@ _Pickler.dispatch[_Global] = lambda self, obj: self.save_global(obj)
 _GLOBAL_REBUILD = _Global("torch._utils", "_rebuild_tensor_v2")
 
 
-def save(obj: Any, stream: BinaryIO, produce: Callable[[Pending], torch.Tensor] | None = None) -> None:
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    flat = tensor.reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+class _ZipWriter:
+    """The uncompressed zip that ``torch.load`` reads: 64-byte aligned records, sizes known
+    up front (no data descriptors), zip64 where sizes or offsets need it. CRCs are left 0,
+    as torch does with its CRC option off; the manifest's xxh3 covers integrity."""
+
+    ALIGN = 64
+
+    def __init__(self, write: Callable[[Any], Any], archive: str = "archive", force_zip64: bool = False):
+        self._write, self._archive, self._zip64 = write, archive, force_zip64
+        self._pos = 0
+        self._entries: list[tuple[bytes, int, int]] = []
+
+    def _emit(self, data) -> None:
+        self._write(data)
+        self._pos += memoryview(data).nbytes
+
+    def record(self, name: str, data) -> None:
+        data = memoryview(data) if not isinstance(data, memoryview) else data
+        size = data.nbytes
+        self.start(name, size)
+        self._emit(data)
+
+    def start(self, name: str, size: int) -> None:
+        """Write the header of a record of ``size`` bytes; the caller writes the bytes."""
+        fname = f"{self._archive}/{name}".encode()
+        offset = self._pos
+        big = self._zip64 or size >= 0xFFFFFFFF
+        extra = struct.pack("<HHQQ", 1, 16, size, size) if big else b""
+        pad = (-(offset + 30 + len(fname) + len(extra) + 4)) % self.ALIGN
+        extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+        header = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if big else 20, 0x800, 0, 0, 0x21, 0,
+                             0xFFFFFFFF if big else size, 0xFFFFFFFF if big else size,
+                             len(fname), len(extra))
+        self._emit(header + fname + extra)
+        self._entries.append((fname, size, offset))
+
+    def write_data(self, data) -> None:
+        self._emit(data)
+
+    def finish(self) -> None:
+        cd_start = self._pos
+        for fname, size, offset in self._entries:
+            fields = []
+            if self._zip64 or size >= 0xFFFFFFFF:
+                fields += [size, size]
+            if self._zip64 or offset >= 0xFFFFFFFF:
+                fields.append(offset)
+            extra = struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields) \
+                if fields else b""
+            big_size = self._zip64 or size >= 0xFFFFFFFF
+            self._emit(struct.pack(
+                "<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if fields else 20, 0x800, 0, 0, 0x21, 0,
+                0xFFFFFFFF if big_size else size, 0xFFFFFFFF if big_size else size, len(fname),
+                len(extra), 0, 0, 0, 0, 0xFFFFFFFF if (self._zip64 or offset >= 0xFFFFFFFF) else offset)
+                + fname + extra)
+        cd_size = self._pos - cd_start
+        n = len(self._entries)
+        if self._zip64 or cd_start >= 0xFFFFFFFF or n >= 0xFFFF:
+            eocd64 = self._pos
+            self._emit(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, cd_size, cd_start))
+            self._emit(struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1))
+            self._emit(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF,
+                                   0xFFFFFFFF, 0))
+        else:
+            self._emit(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, cd_size, cd_start, 0))
+
+
+def save(obj: Any, stream: BinaryIO, produce: Callable[[Pending], torch.Tensor] | None = None,
+         *, force_zip64: bool = False) -> None:
     """Write ``obj`` as a torch.save archive to ``stream``, producing Pending tensors on demand.
 
-    ``torch.load`` reads the result. Memory: the pickle plus one tensor at a time.
+    ``torch.load`` reads the result. Memory: the pickle plus one tensor at a time; tensor
+    bytes go to ``stream.write`` straight from the tensor's memory.
     """
     slots: list[_Slot] = []
     buf = io.BytesIO()
     _Pickler(buf, slots).dump(obj)
-    try:
-        writer = torch._C.PyTorchFileWriter(stream, True, 64)
-    except TypeError:  # older torch: (buffer) only
-        writer = torch._C.PyTorchFileWriter(stream)
-    data = buf.getvalue()
-    writer.write_record("data.pkl", data, len(data))
-    writer.write_record(".format_version", "1", 1)
-    writer.write_record(".storage_alignment", "64", 2)
-    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    zf = _ZipWriter(stream.write, force_zip64=force_zip64)
+    zf.record("data.pkl", buf.getvalue())
+    zf.record(".format_version", b"1")
+    zf.record(".storage_alignment", b"64")
+    zf.record("byteorder", sys.byteorder.encode())
     for slot in slots:
         src = slot.source
         tensor = produce(src) if isinstance(src, Pending) else src
@@ -406,9 +495,8 @@ def save(obj: Any, stream: BinaryIO, produce: Callable[[Pending], torch.Tensor] 
         if tensor.dtype != slot.dtype or tensor.numel() != slot.numel:
             raise ValueError(f"produced tensor for {getattr(src, 'key', '?')!r} is "
                              f"{tensor.dtype} x{tensor.numel()}, expected {slot.dtype} x{slot.numel}")
-        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-            tensor = tensor.clone()
-        storage = tensor.untyped_storage()
-        writer.write_record(f"data/{slot.index}", storage, storage.nbytes())
-        del tensor, storage
-    writer.write_end_of_file()
+        zf.record(f"data/{slot.index}", tensor_bytes(tensor))
+        del tensor
+    zf.record("version", b"3\n")
+    zf.record(".data/serialization_id", str(uuid.uuid4().int).encode())
+    zf.finish()

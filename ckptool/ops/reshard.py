@@ -85,8 +85,8 @@ def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers
 
     out = atomic_output(dst, overwrite=overwrite)
     try:
-        def read_box(piece, dtype, box):
-            return opened.reader.read_box(opened.store, piece, dtype, box)
+        def read_box(piece, dtype, box, out):
+            opened.reader.read_box_into(opened.store, piece, dtype, box, out)
 
         def write_one(target):
             size, digest = writer.write_file(out.store, target,
