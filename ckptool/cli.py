@@ -212,7 +212,7 @@ _SIZE = click.IntRange(min=1)
 @click.option("--pp", type=_SIZE, help="Assert the source's PP.")
 @click.option("--dp", type=_SIZE, help="Assert the source's DP.")
 @click.option("--true-vocab-size", type=_SIZE, help="The tokenizer's vocabulary size, if SRC lacks it.")
-@click.option("--workers", default=1, show_default=True, type=_SIZE, help="Target files written in parallel.")
+@click.option("--workers", default=4, show_default=True, type=_SIZE, help="Target files written in parallel.")
 @click.option("--dry-run", is_flag=True, help="Print the plan: target files, bytes read and written.")
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
 @_output_options
