@@ -215,9 +215,11 @@ _SIZE = click.IntRange(min=1)
 @click.option("--workers", default=4, show_default=True, type=_SIZE, help="Target files written in parallel.")
 @click.option("--dry-run", is_flag=True, help="Print the plan: target files, bytes read and written.")
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
+@click.option("--drop-optimizer", is_flag=True,
+              help="Write model weights only when SRC's optimizer state cannot be carried.")
 @_output_options
 def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, tp, pp, dp, true_vocab_size, workers, dry_run,
-            overwrite, as_json, quiet):
+            overwrite, drop_optimizer, as_json, quiet):
     """Rewrite the checkpoint SRC at DST for another TP/PP layout, same format.
 
     SRC's topology is read from it; --tp/--pp/--dp before the --to-* flags are assertions.
@@ -235,7 +237,7 @@ def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, tp, pp, dp, true_vocab_size, 
         res = run(src, dst, to={"tp": to_tp, "pp": to_pp, "dp": to_dp, "vpp": to_vpp},
                   expect={"tp": tp, "pp": pp, "dp": dp}, workers=workers, dry_run=dry_run,
                   overwrite=overwrite, true_vocab_size=true_vocab_size,
-                  progress=bar.update if bar else None)
+                  drop_optimizer=drop_optimizer, progress=bar.update if bar else None)
     finally:
         if bar:
             bar.close()
@@ -244,6 +246,8 @@ def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, tp, pp, dp, true_vocab_size, 
              f"({dst_t}), {res.format}",
              f"  {len(res.files)} files, read {_size(res.bytes_read)}, write {_size(res.bytes_written)}"
              + ("" if res.dry_run else f", {res.seconds:.1f}s")]
+    if res.dropped:
+        lines.append(f"  left out on request: {res.dropped}")
     if res.dry_run:
         lines += [f"  {f.path}  {_size(f.bytes)}" for f in res.files]
     out.result(res, "\n".join(lines))

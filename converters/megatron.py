@@ -42,6 +42,8 @@ from converters.megatron_common import (ITER_DIR, SCHEMAS, TRACKER, detect_schem
 
 EXTRA = "_extra_state"
 SCHEMA_KEY = "megatron.schema"
+OPTIMIZER_KEY = "megatron.optimizer"
+DISTRIB_OPTIM = "distrib_optim.pt"
 _LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 NAME = "megatron"
@@ -153,6 +155,9 @@ class MegatronReader(Reader):
             archive = self._load(store, f.rel)
             data = archive.obj
             index.files[f.rel] = 1
+            kind = _optimizer_kind(store, f.rel, data)
+            if kind:
+                index.objects.setdefault(OPTIMIZER_KEY, ObjectInfo(OPTIMIZER_KEY, value=kind))
             if "rng_state" in data:
                 index.objects[f"rank.{f.tp:02d}_{f.pp:03d}.rng_state"] = ObjectInfo(
                     "rng_state", value=archive.materialize(data["rng_state"]))
@@ -220,6 +225,15 @@ def _add_piece(index, params, canonical, replica, f, chunk_key, local_name, valu
         return
     for offset, region in shard.parts:
         info.pieces.append(Piece(region, Location(f.rel, detail=(chunk_key, local_name, offset))))
+
+
+def _optimizer_kind(store: Store, rel: str, data: dict) -> str | None:
+    """Which optimizer state the rank file (or its directory) holds, if any."""
+    if store.exists(rel.rsplit("/", 1)[0] + "/" + DISTRIB_OPTIM):
+        return "distributed optimizer (distrib_optim.pt)"
+    if data.get("optimizer"):
+        return "optimizer state in model_optim_rng.pt"
+    return None
 
 
 def _check_schema(schema: str, spec: ModelSpec, version, source: str) -> None:
@@ -316,6 +330,11 @@ class MegatronWriter:
                                  f"{spec.vocab_size} embedding rows")
             spec, known = replace(spec, vocab_size=int(true_vocab_size)), True
         return retarget_spec(spec, source.tp, target.tp, known)
+
+    def unsupported_state(self, index: CheckpointIndex) -> str | None:
+        """State in the source that this writer cannot carry (the caller must not drop it silently)."""
+        obj = index.objects.get(OPTIMIZER_KEY)
+        return obj.value if obj else None
 
     def source_schema(self, opened) -> str:
         obj = opened.index.objects.get(SCHEMA_KEY)

@@ -141,3 +141,50 @@ def test_existing_destination_is_left_untouched(llama_tp2, tmp_path, run_cli):
     res = run_cli("reshard", src, dst, "--to-pp", 2)
     assert res.code == 2 and "already exists" in res.err
     assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+
+
+def test_virtual_pipeline_round_trip_is_bit_exact(llama_tp2, tmp_path, run_cli):
+    src, _ = llama_tp2
+    mid, back = tmp_path / "vpp", tmp_path / "back"
+    res = run_cli("reshard", src, mid, "--to-tp", 1, "--to-pp", 2, "--to-vpp", 2,
+                  "--true-vocab-size", 1000)
+    assert res.code == 0, res.err
+    stage0 = torch.load(mid / "iter_0000010" / "mp_rank_00_000" / "model_optim_rng.pt",
+                        weights_only=False)
+    # 4 layers, PP2 x VPP2: stage 0 holds global layers 0 and 2 as model0 / model1
+    assert set(stage0) >= {"model0", "model1"} and "model" not in stage0
+    assert stage0["args"].virtual_pipeline_model_parallel_size == 2
+    src_tp0 = torch.load(src / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    src_tp1 = torch.load(src / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt", weights_only=False)
+    key = "decoder.layers.0.self_attention.linear_proj.weight"   # row-parallel: TP concat on dim 1
+    layer2 = key.replace("layers.0", "layers.2")
+    assert torch.equal(stage0["model1"][key],
+                       torch.cat([src_tp0["model"][layer2], src_tp1["model"][layer2]], dim=1))
+    assert run_cli("reshard", mid, back, "--to-tp", 2, "--to-pp", 1).code == 0
+    a, b = _tensors(src), _tensors(back)
+    for f in a:
+        for k in a[f]:
+            if "word_embeddings" not in k and "output_layer" not in k:
+                assert torch.equal(a[f][k], b[f][k]), (f, k)
+
+
+def test_optimizer_state_is_never_dropped_silently(llama_tp2, tmp_path, run_cli):
+    import shutil
+
+    src, _ = llama_tp2
+    with_optim = tmp_path / "with-optim"
+    shutil.copytree(src, with_optim)
+    for f in with_optim.rglob("model_optim_rng.pt"):
+        state = torch.load(f, weights_only=False)
+        state["optimizer"] = {"optimizer": {"state": {0: {"exp_avg": torch.ones(3)}},
+                                            "param_groups": [{"params": [0]}]}}
+        torch.save(state, f)
+    dst = tmp_path / "out"
+    res = run_cli("reshard", with_optim, dst, "--to-pp", 2)
+    assert res.code == 2
+    assert "holds optimizer state in model_optim_rng.pt, which ckptool cannot reshard yet" in res.err
+    assert "--drop-optimizer" in res.err and not dst.exists()
+    res = run_cli("reshard", with_optim, dst, "--to-pp", 2, "--drop-optimizer")
+    assert res.code == 0 and "left out on request: optimizer state" in res.out
+    out = torch.load(dst / "iter_0000010" / "mp_rank_00_000" / "model_optim_rng.pt", weights_only=False)
+    assert "optimizer" not in out and out["opt_param_scheduler"] == {"num_steps": 10, "max_lr": 3e-4}

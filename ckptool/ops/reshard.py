@@ -40,12 +40,15 @@ class ReshardResult:
     files: list[PlannedFile] = field(default_factory=list)
     bytes_read: int = 0
     bytes_written: int = 0
+    dropped: str | None = None
+    """State of the source that was left out on request (--drop-optimizer)."""
     seconds: float = 0.0
     dry_run: bool = False
 
 
 def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers: int = 1,
             dry_run: bool = False, overwrite: bool = False, true_vocab_size: int | None = None,
+            drop_optimizer: bool = False,
             progress: Callable[[int], object] | None = None) -> ReshardResult:
     """Rewrite checkpoint ``src`` at ``dst`` with the topology changed by ``to``.
 
@@ -72,6 +75,12 @@ def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers
         changes["vpp"] = 1
     target_topo = replace(source_topo, **changes)
     writer = converters.writer(fmt)
+    uncarried = writer.unsupported_state(index)
+    if uncarried and not drop_optimizer:
+        raise UsageError(f"the source holds {uncarried}, which ckptool cannot reshard yet for "
+                         f"{fmt} checkpoints", path=opened.store.url,
+                         hint="Pass --drop-optimizer to write the model weights only (resume with "
+                              "Megatron's --no-load-optim)")
     spec = writer.target_spec(index, source_topo, target_topo, true_vocab_size)
     check_layout(spec, target_topo)
     plan = writer.plan(index, target_topo, spec, schema=writer.source_schema(opened))
@@ -79,7 +88,8 @@ def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers
         source=opened.store.url, destination=dst, format=fmt,
         source_topology=source_topo.to_dict(), target_topology=target_topo.to_dict(),
         files=[PlannedFile(f.path, f.nbytes) for f in plan], bytes_read=bytes_read(plan, index),
-        bytes_written=sum(f.nbytes for f in plan), dry_run=dry_run)
+        bytes_written=sum(f.nbytes for f in plan), dry_run=dry_run,
+        dropped=uncarried if drop_optimizer else None)
     if dry_run:
         return result
 
