@@ -32,17 +32,22 @@ from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, Rea
 from ckptool.core.layout import ModelSpec, layout, stage_layers
 from ckptool.core.manifest import HashingWriter
 from ckptool.core import torchfile
-from ckptool.core.regions import byte_runs
+from ckptool.core.regions import Shard, byte_runs
 from ckptool.core.torchfile import Pending, TensorRef, TorchFile
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
+from converters import megatron_optimizer as optim
 from converters.megatron_common import (ITER_DIR, SCHEMAS, TRACKER, detect_schema, iteration_dir,
-                                        params_by_key, retarget_spec, spec_from_args, to_canonical,
+                                        parameter_order, params_by_key, retarget_spec, spec_from_args, to_canonical,
                                         tracked_dir, update_args)
 
 EXTRA = "_extra_state"
 SCHEMA_KEY = "megatron.schema"
 OPTIMIZER_KEY = "megatron.optimizer"
+"""Why the source's optimizer state cannot be carried (absent when it can, or there is none)."""
+OPTIMIZER_LAYOUT_KEY = "megatron.optimizer.layout"
+MODEL_PATH = "@model"
+OPTIM_PATH = "@optim"
 DISTRIB_OPTIM = "distrib_optim.pt"
 _LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -155,12 +160,10 @@ class MegatronReader(Reader):
             archive = self._load(store, f.rel)
             data = archive.obj
             index.files[f.rel] = 1
-            kind = _optimizer_kind(store, f.rel, data)
-            if kind:
-                index.objects.setdefault(OPTIMIZER_KEY, ObjectInfo(OPTIMIZER_KEY, value=kind))
             if "rng_state" in data:
                 index.objects[f"rank.{f.tp:02d}_{f.pp:03d}.rng_state"] = ObjectInfo(
                     "rng_state", value=archive.materialize(data["rng_state"]))
+            mapped = {}  # "chunk/local name" -> (canonical, replica, shape)
             for chunk_key, chunk in _model_chunks(data, topo.vpp):
                 flat = _flatten(data[chunk_key])
                 schema = detect_schema(flat)
@@ -173,17 +176,51 @@ class MegatronReader(Reader):
                         index.objects.setdefault(key, ObjectInfo(key, value=archive.materialize(value)))
                         continue
                     canonical, replica = to_canonical(schema, local_name, layers, spec.tied_embeddings)
-                    _add_piece(index, params, canonical, replica, f, chunk_key, local_name, value,
-                               padded, topo, store)
+                    _add_piece(index, params, canonical, replica, f, (MODEL_PATH, chunk_key, local_name),
+                               value, padded, topo, store)
+                    mapped[f"{chunk_key}/{local_name}"] = (canonical, replica, tuple(value.shape))
+            self._read_optimizer(store, index, f, data, mapped, params, padded, topo)
+        if OPTIMIZER_KEY in index.objects:
+            index.objects.pop(OPTIMIZER_LAYOUT_KEY, None)
         for key, info in index.tensors.items():
             if not info.pieces:
                 raise BadCheckpoint("tensor has only replicas, no primary copy", path=store.url, key=key)
         return index
 
+    def _read_optimizer(self, store, index, f, data, mapped, params, padded, topo) -> None:
+        """Map this rank's optimizer state to parameters, or record why it cannot be."""
+        if store.exists(f.rel.rsplit("/", 1)[0] + "/" + DISTRIB_OPTIM):
+            index.objects.setdefault(OPTIMIZER_KEY, ObjectInfo(
+                OPTIMIZER_KEY, value="Megatron's distributed optimizer (distrib_optim.pt) is not "
+                                 "supported yet"))
+            return
+        if not data.get("optimizer"):
+            return
+        names = [(n, len(shape), shape) for n, (_, _, shape) in mapped.items()]
+        try:
+            layout_ = optim.read(data["optimizer"], names, store.display(f.rel))
+        except UnreadableInput as exc:
+            index.objects.setdefault(OPTIMIZER_KEY, ObjectInfo(OPTIMIZER_KEY, value=exc.message))
+            return
+        for name, paths in layout_.tensors.items():
+            canonical, replica, _ = mapped[name]
+            for kind, path in paths.items():
+                ref = _resolve(data, path)
+                _add_piece(index, params, canonical, replica, f, path, ref, padded, topo, store,
+                           key=optim.state_key(kind, canonical))
+        saved = index.objects.get(OPTIMIZER_LAYOUT_KEY)
+        meta = optim.Layout(layout_.fp16, {}, layout_.step, layout_.hyper,
+                            self._load(store, f.rel).materialize(layout_.extra))
+        if saved is None:
+            index.objects[OPTIMIZER_LAYOUT_KEY] = ObjectInfo(OPTIMIZER_LAYOUT_KEY, value=meta)
+        elif saved.value.step != meta.step or saved.value.fp16 != meta.fp16:
+            index.objects.setdefault(OPTIMIZER_KEY, ObjectInfo(
+                OPTIMIZER_KEY, value="optimizer state that differs between ranks (step or kind)"))
+
     def _ref(self, store: Store, piece: Piece) -> tuple[TorchFile, TensorRef, int]:
-        chunk_key, local_name, offset = piece.location.detail
+        path, offset = piece.location.detail
         archive = self._load(store, piece.location.file)
-        return archive, _flatten(archive.obj[chunk_key])[local_name], offset
+        return archive, _resolve(archive.obj, path), offset
 
     def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
         archive, ref, offset = self._ref(store, piece)
@@ -204,36 +241,38 @@ class MegatronReader(Reader):
             pos += n
 
 
-def _add_piece(index, params, canonical, replica, f, chunk_key, local_name, value, padded, topo,
-               store):
+def _resolve(obj: Any, path: tuple) -> Any:
+    """The object at ``path`` in a rank file's tree (model entries by their flat name)."""
+    if path[0] == MODEL_PATH:
+        return _flatten(obj[path[1]])[path[2]]
+    for step in path:
+        obj = obj[step]
+    return obj
+
+
+def _add_piece(index, params, canonical, replica, f, path, value, padded, topo, store, key=None):
     from ckptool.core.layout import split
 
     param = params.get(canonical) if canonical else None
     if param is None:
-        raise BadCheckpoint(f"tensor {local_name!r} does not fit the model described by args",
+        raise BadCheckpoint(f"tensor {path[-1]!r} does not fit the model described by args",
                             path=store.display(f.rel), key=canonical)
     if not isinstance(value, TensorRef):
-        raise BadCheckpoint("expected a tensor", path=store.display(f.rel), key=local_name)
+        raise BadCheckpoint("expected a tensor", path=store.display(f.rel), key=str(path[-1]))
     shard = split(param, f.tp, topo.tp, padded)
     if tuple(value.shape) != shard.shape:
         raise BadCheckpoint(f"local tensor is {list(value.shape)}, the layout from args says "
-                            f"{list(shard.shape)}", path=store.display(f.rel), key=local_name)
-    info = index.tensors.get(canonical)
+                            f"{list(shard.shape)}", path=store.display(f.rel), key=str(path[-1]))
+    key = key or canonical
+    info = index.tensors.get(key)
     if info is None:
-        info = index.tensors[canonical] = TensorInfo(canonical, param.shape, value.dtype)
+        info = index.tensors[key] = TensorInfo(key, param.shape, value.dtype)
     if replica or (param.rule == "replicated" and f.tp > 0):
         return
     for offset, region in shard.parts:
-        info.pieces.append(Piece(region, Location(f.rel, detail=(chunk_key, local_name, offset))))
-
-
-def _optimizer_kind(store: Store, rel: str, data: dict) -> str | None:
-    """Which optimizer state the rank file (or its directory) holds, if any."""
-    if store.exists(rel.rsplit("/", 1)[0] + "/" + DISTRIB_OPTIM):
-        return "distributed optimizer (distrib_optim.pt)"
-    if data.get("optimizer"):
-        return "optimizer state in model_optim_rng.pt"
-    return None
+        if key != canonical:
+            region = replace(region, key=key)
+        info.pieces.append(Piece(region, Location(f.rel, detail=(path, offset))))
 
 
 def _check_schema(schema: str, spec: ModelSpec, version, source: str) -> None:
@@ -325,9 +364,9 @@ class MegatronWriter:
         spec = ModelSpec(**index.model_config)
         known = index.true_vocab_size is not None
         if true_vocab_size:
-            if true_vocab_size > spec.vocab_size:
+            if true_vocab_size > spec.global_vocab_rows:
                 raise UsageError(f"--true-vocab-size {true_vocab_size} exceeds the checkpoint's "
-                                 f"{spec.vocab_size} embedding rows")
+                                 f"{spec.global_vocab_rows} embedding rows")
             spec, known = replace(spec, vocab_size=int(true_vocab_size)), True
         return retarget_spec(spec, source.tp, target.tp, known)
 
@@ -341,20 +380,33 @@ class MegatronWriter:
         return obj.value if obj else "mcore-local"
 
     def plan(self, index: CheckpointIndex, topo: Topology, spec: ModelSpec,
-             schema: str = "mcore-local") -> list[TargetFile]:
+             schema: str = "mcore-local", with_optimizer: bool = True) -> list[TargetFile]:
         it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)
+        stages = stage_layers(spec, topo.pp, topo.vpp)
+        optim_layout = index.objects.get(OPTIMIZER_LAYOUT_KEY) if with_optimizer else None
         files = []
         for rank in layout(spec, topo):
             target = TargetFile(f"{it_dir}/{rank_dir(rank.tp_rank, rank.pp_rank, topo.pp)}/{FILE}",
                                 context={"tp": rank.tp_rank, "pp": rank.pp_rank, "schema": schema,
-                                         "spec": spec, "topo": topo})
-            stages = stage_layers(spec, topo.pp, topo.vpp)
+                                         "spec": spec, "topo": topo,
+                                         "optimizer": optim_layout.value if optim_layout else None})
+            named = []
             for t in rank.tensors:
                 layers = stages[rank.pp_rank][t.chunk]
                 name = SCHEMAS[schema].from_canonical(t.name, layers, rank.pp_rank, topo.pp, t.replica)
-                chunk_key = "model" if topo.vpp == 1 else f"model{t.chunk}"
-                dtype = _dtype_of(index, t.name)
-                target.tensors.append(TargetTensor((chunk_key, name), t.shard, dtype))
+                named.append((t.chunk, parameter_order(schema, name), name, t))
+            for chunk, _, name, t in sorted(named, key=lambda x: (x[0], x[1])):
+                chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
+                target.tensors.append(TargetTensor((chunk_key, name), t.shard, _dtype_of(index, _key(t))))
+            if optim_layout is not None:
+                for chunk, _, name, t in sorted(named, key=lambda x: (x[0], x[1])):
+                    chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
+                    for kind in optim.KINDS[:3 if optim_layout.value.fp16 else 2]:
+                        shard = Shard(t.shard.shape, tuple(
+                            (off, replace(r, key=optim.state_key(kind, r.key))) for off, r in t.shard.parts))
+                        key = optim.state_key(kind, _key(t))
+                        target.tensors.append(TargetTensor((OPTIM_PATH, kind, chunk_key, name), shard,
+                                                           _dtype_of(index, key)))
             files.append(target)
         return files
 
@@ -363,12 +415,12 @@ class MegatronWriter:
         """Stream one rank file: ``produce(target_tensor)`` fills each tensor as it is written."""
         ctx = target.context
         topo, spec, schema = ctx["topo"], ctx["spec"], ctx["schema"]
-        pending = {}
+        pending = {t.name: t for t in target.tensors}
         chunks: dict[str, dict] = {}
         for t in target.tensors:
-            chunk_key, name = t.name
-            pending[t.name] = t
-            chunks.setdefault(chunk_key, {})[name] = Pending(t.name, t.shard.shape, t.dtype)
+            if t.name[0] != OPTIM_PATH:
+                chunk_key, name = t.name
+                chunks.setdefault(chunk_key, {})[name] = Pending(t.name, t.shard.shape, t.dtype)
         state: dict[str, Any] = {}
         for key in CARRIED:
             if key in index.objects:
@@ -388,6 +440,16 @@ class MegatronWriter:
                 flat.update(_extra_states(index, chunk_layers, ctx["pp"] == 0 and c == 0,
                                           ctx["pp"] == topo.pp - 1 and c == len(stages) - 1))
             state[chunk_key] = _unflatten(flat, nested=SCHEMAS[schema].nested)
+        if ctx["optimizer"] is not None:
+            params = [(f"{c}/{n}", len(p.shape)) for c, entries in chunks.items() for n, p in entries.items()
+                      if isinstance(p, Pending)]
+
+            def placeholder(kind, uname):
+                chunk_key, name = uname.split("/", 1)
+                t = pending[(OPTIM_PATH, kind, chunk_key, name)]
+                return Pending(t.name, t.shard.shape, t.dtype)
+
+            state["optimizer"] = optim.build(params, ctx["optimizer"], placeholder)
         state[MARK] = {"version": VERSION}
         store.fs.makedirs(store.path(target.path.rsplit("/", 1)[0]), exist_ok=True)
         with store.open_file(target.path, "wb") as raw:
@@ -402,15 +464,20 @@ class MegatronWriter:
         return [TRACKER]
 
 
-def _dtype_of(index: CheckpointIndex, name: str) -> torch.dtype:
-    m = _LAYER_MODULE.match(name)
-    if m is None and name in index.tensors:
-        return index.tensors[name].dtype
-    for key, info in index.tensors.items():  # any layer's copy of the same parameter
-        km = _LAYER_MODULE.match(key)
-        if m and km and km.group(2) == m.group(2):
+def _key(t) -> str:
+    """The global key of a layout tensor (its regions'), or its local name if all padding."""
+    return t.shard.regions[0].key if t.shard.regions else t.name
+
+
+def _dtype_of(index: CheckpointIndex, key: str) -> torch.dtype:
+    """The source dtype of ``key``, or of the same parameter in any layer."""
+    if key in index.tensors:
+        return index.tensors[key].dtype
+    pattern = re.sub(r"layers\.\d+\.", "layers.*.", key)
+    for other, info in index.tensors.items():
+        if re.sub(r"layers\.\d+\.", "layers.*.", other) == pattern:
             return info.dtype
-    raise UsageError(f"source has no tensor for {name!r}")
+    raise UsageError(f"source has no tensor for {key!r}")
 
 
 def _pick_rng(index: CheckpointIndex, tp: int, pp: int):

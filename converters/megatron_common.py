@@ -125,6 +125,45 @@ SCHEMAS = {
 }
 
 
+# Module registration order inside one transformer layer, per schema: Megatron numbers
+# optimizer state by named_parameters() order, so a writer must emit parameters in it.
+_LAYER_ORDER = {
+    "mcore-local": ["input_layernorm.weight", "input_layernorm.bias",
+                    "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+                    "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                    "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+                    "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+                    "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"],
+    "mcore-te": ["self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+                 "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
+                 "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                 "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
+                 "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+                 "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"],
+    "legacy": ["input_layernorm.weight", "input_layernorm.bias",
+               "self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
+               "self_attention.dense.weight", "self_attention.dense.bias",
+               "post_attention_layernorm.weight", "post_attention_layernorm.bias",
+               "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias",
+               "mlp.dense_4h_to_h.weight", "mlp.dense_4h_to_h.bias"],
+}
+
+
+def parameter_order(schema: str, local: str) -> tuple:
+    """Sort key of a local parameter name in the model's named_parameters() order."""
+    s = SCHEMAS[schema]
+    m = _LAYER.match(local)
+    if m and m.group("prefix") == s.layer_prefix:
+        order = _LAYER_ORDER[schema]
+        rest = m.group("rest")
+        return (1, int(m.group("i")), order.index(rest) if rest in order else len(order), rest)
+    if "embedding" in local and local != s.tied_head:
+        return (0, 0, 0 if "word" in local else 1, local)
+    if "final_layernorm" in local:
+        return (2, 0, 0 if local.endswith("weight") else 1, local)
+    return (3, 0, 0, local)
+
+
 def detect_schema(names) -> str:
     names = list(names)
     if any(n.startswith("language_model.") or n.startswith("word_embeddings_for_head") for n in names):
@@ -179,7 +218,7 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
     pos = str(_get(args, "position_embedding_type", "learned_absolute"))
     spec = ModelSpec(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-        vocab_size=int(true_vocab or padded),
+        vocab_size=int(true_vocab or padded), vocab_rows=padded,
         num_query_groups=int(args.num_query_groups) if _get(args, "group_query_attention", False)
         and _get(args, "num_query_groups") else None,
         ffn_hidden_size=_get(args, "ffn_hidden_size"), kv_channels=_get(args, "kv_channels"),
@@ -213,7 +252,7 @@ def retarget_spec(spec: ModelSpec, source_tp: int, target_tp: int, vocab_known: 
     """
     if not vocab_known:
         div = spec.make_vocab_size_divisible_by
-        src_padded = spec.vocab_size
+        src_padded = spec.global_vocab_rows
         lowest = src_padded - div * source_tp + 1
         if padded_vocab(lowest, div, target_tp) != padded_vocab(src_padded, div, target_tp):
             raise UsageError(

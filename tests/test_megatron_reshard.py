@@ -95,13 +95,7 @@ def test_round_trip_is_bit_exact_file_by_file(llama_tp2, tmp_path, run_cli):
     for f in a:
         assert a[f].keys() == b[f].keys(), f
         for k in a[f]:
-            if "word_embeddings" in k or "output_layer" in k:
-                # rows past the true vocab (1000) are padding, not data: written as zeros
-                tp_rank = int(f.split("mp_rank_")[1][:2])
-                real = min(512, 1000 - 512 * tp_rank)
-                assert torch.equal(a[f][k][:real], b[f][k][:real]), (f, k)
-                assert not b[f][k][real:].any()
-                continue
+            # padding rows too: Megatron trains them, and both TP2 and TP1 pad 1000 to 1024
             assert torch.equal(a[f][k], b[f][k]), (f, k)
 
 
@@ -164,8 +158,7 @@ def test_virtual_pipeline_round_trip_is_bit_exact(llama_tp2, tmp_path, run_cli):
     a, b = _tensors(src), _tensors(back)
     for f in a:
         for k in a[f]:
-            if "word_embeddings" not in k and "output_layer" not in k:
-                assert torch.equal(a[f][k], b[f][k]), (f, k)
+            assert torch.equal(a[f][k], b[f][k]), (f, k)
 
 
 def test_optimizer_state_is_never_dropped_silently(llama_tp2, tmp_path, run_cli):
@@ -182,9 +175,10 @@ def test_optimizer_state_is_never_dropped_silently(llama_tp2, tmp_path, run_cli)
     dst = tmp_path / "out"
     res = run_cli("reshard", with_optim, dst, "--to-pp", 2)
     assert res.code == 2
-    assert "holds optimizer state in model_optim_rng.pt, which ckptool cannot reshard yet" in res.err
+    assert ("the optimizer state cannot be carried: optimizer state is not a Megatron "
+            "FP32/Float16 optimizer state dict") in res.err
     assert "--drop-optimizer" in res.err and not dst.exists()
     res = run_cli("reshard", with_optim, dst, "--to-pp", 2, "--drop-optimizer")
-    assert res.code == 0 and "left out on request: optimizer state" in res.out
+    assert res.code == 0 and "left out on request: optimizer state is not" in res.out
     out = torch.load(dst / "iter_0000010" / "mp_rank_00_000" / "model_optim_rng.pt", weights_only=False)
     assert "optimizer" not in out and out["opt_param_scheduler"] == {"num_steps": 10, "max_lr": 3e-4}

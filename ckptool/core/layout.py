@@ -13,8 +13,11 @@ Rules:
 * ``gated``: SwiGLU fc1. The global tensor is ``[gate; up]``; TP rank r holds
   ``[gate_r; up_r]``, which is **two** regions.
 * ``vocab``: dim 0 over TP after padding the vocabulary to a multiple of
-  ``make_vocab_size_divisible_by * tp``. The global tensor has the true vocabulary size;
-  rows past it are padding, stored but belonging to no global element.
+  ``make_vocab_size_divisible_by * tp``. The global tensor has ``vocab_rows`` rows: the
+  rows the source stores (its padded size), so that padding rows, which Megatron trains
+  like any other (they take part in the softmax), survive whenever the target keeps them.
+  A target that pads to fewer rows drops only rows past the true vocabulary; one that
+  pads to more fills the new rows with zeros.
 * Fused QKV with GQA is grouped per query group, ``[q_1..q_{nh/ng}, k, v]`` per group,
   so its TP split is a plain ``column`` split once ``ng % tp == 0``.
 * Pipeline: stage p holds its layers numbered from 0 locally; the first stage holds the
@@ -49,6 +52,8 @@ class ModelSpec:
     num_attention_heads: int
     vocab_size: int
     """The true vocabulary size (without Megatron's padding)."""
+    vocab_rows: int | None = None
+    """Rows of the global embedding as stored (the source's padded size); default vocab_size."""
     num_query_groups: int | None = None
     """GQA groups (kv heads); None means plain multi-head attention."""
     ffn_hidden_size: int | None = None
@@ -65,6 +70,10 @@ class ModelSpec:
     """``decoder_first_pipeline_num_layers`` for uneven pipelines."""
     last_stage_layers: int | None = None
     """``decoder_last_pipeline_num_layers`` for uneven pipelines."""
+
+    @property
+    def global_vocab_rows(self) -> int:
+        return self.vocab_rows or self.vocab_size
 
     @property
     def groups(self) -> int:
@@ -131,7 +140,7 @@ def _norm(spec: ModelSpec, prefix: str) -> list[Param]:
 
 
 def first_stage_params(spec: ModelSpec) -> list[Param]:
-    params = [Param(WORD_EMBEDDINGS, (spec.vocab_size, spec.hidden_size), VOCAB)]
+    params = [Param(WORD_EMBEDDINGS, (spec.global_vocab_rows, spec.hidden_size), VOCAB)]
     if spec.learned_positions:
         params.append(Param(POSITION_EMBEDDINGS, (spec.max_position_embeddings, spec.hidden_size),
                             REPLICATED))
@@ -144,7 +153,7 @@ def last_stage_params(spec: ModelSpec) -> list[Param]:
     if spec.normalization == "LayerNorm":
         params.append(Param(f"{FINAL_NORM}.bias", (h,), REPLICATED))
     if not spec.tied_embeddings:
-        params.append(Param(OUTPUT_LAYER, (spec.vocab_size, h), VOCAB))
+        params.append(Param(OUTPUT_LAYER, (spec.global_vocab_rows, h), VOCAB))
     return params
 
 

@@ -77,13 +77,13 @@ def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers
     writer = converters.writer(fmt)
     uncarried = writer.unsupported_state(index)
     if uncarried and not drop_optimizer:
-        raise UsageError(f"the source holds {uncarried}, which ckptool cannot reshard yet for "
-                         f"{fmt} checkpoints", path=opened.store.url,
+        raise UsageError(f"the optimizer state cannot be carried: {uncarried}", path=opened.store.url,
                          hint="Pass --drop-optimizer to write the model weights only (resume with "
                               "Megatron's --no-load-optim)")
     spec = writer.target_spec(index, source_topo, target_topo, true_vocab_size)
     check_layout(spec, target_topo)
-    plan = writer.plan(index, target_topo, spec, schema=writer.source_schema(opened))
+    plan = writer.plan(index, target_topo, spec, schema=writer.source_schema(opened),
+                       with_optimizer=not drop_optimizer)
     result = ReshardResult(
         source=opened.store.url, destination=dst, format=fmt,
         source_topology=source_topo.to_dict(), target_topology=target_topo.to_dict(),
