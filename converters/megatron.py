@@ -198,7 +198,8 @@ class MegatronReader(Reader):
             return
         names = [(n, len(shape), shape) for n, (_, _, shape) in mapped.items()]
         try:
-            layout_ = optim.read(data["optimizer"], names, store.display(f.rel))
+            layout_ = optim.read(data["optimizer"], names, store.display(f.rel),
+                                 self._load(store, f.rel).materialize)
         except UnreadableInput as exc:
             index.objects.setdefault(OPTIMIZER_KEY, ObjectInfo(OPTIMIZER_KEY, value=exc.message))
             return

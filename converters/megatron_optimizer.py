@@ -57,11 +57,13 @@ class Layout:
     """Everything else (grad scaler...), carried as it is."""
 
 
-def read(optimizer: Any, params: list[tuple[str, int, tuple]], source: str) -> Layout:
+def read(optimizer: Any, params: list[tuple[str, int, tuple]], source: str,
+         materialize=lambda x: x) -> Layout:
     """Map the optimizer state of one rank file to its parameters.
 
     ``params`` is ``(local name, ndim, shape)`` in named_parameters order; shapes of the
-    stored moments must equal the parameters'.
+    stored moments must equal the parameters'. ``materialize`` reads small stored tensors
+    (the step counters).
     """
     if isinstance(optimizer, dict) and "fp32_from_fp16_params" in optimizer:
         fp16, inner, base = True, optimizer.get("optimizer"), ("optimizer", "optimizer")
@@ -104,7 +106,7 @@ def read(optimizer: Any, params: list[tuple[str, int, tuple]], source: str) -> L
                     raise UnreadableInput(f"fp32 master of {name} has the wrong shape", path=source)
                 paths["fp32_param"] = ("optimizer", "fp32_from_fp16_params", gi, pos)
             if "step" in entry:
-                steps.add(_scalar(entry["step"]))
+                steps.add(_scalar(materialize(entry["step"])))
             tensors[name] = paths
     if len(steps) > 1:
         raise UnreadableInput(f"parameters have different optimizer steps {sorted(steps)}", path=source)

@@ -171,3 +171,87 @@ def load_logits(m: dict, tp: int, pp: int, root: Path) -> torch.Tensor:
     out = root.parent / f"{root.name}.loaded-logits.pt"
     _spawn(_load_worker, tp * pp, m, tp, pp, str(root), str(out))
     return torch.load(out)
+
+
+# ---------------------------------------------------------------- training with an optimizer
+
+LR, WD = 1e-2, 0.1
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    tok = torch.randint(0, 997, (BATCH, SEQ + 1), generator=g)
+    return tok[:, :-1], tok[:, 1:]
+
+
+def _optimizer(model):
+    """torch AdamW over Megatron's own param groups (what FP32Optimizer wraps)."""
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+
+    groups = _get_param_groups([model], OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WD), None)
+    for g in groups:
+        g["weight_decay"] = WD * g["wd_mult"]
+    return torch.optim.AdamW(groups, lr=LR)
+
+
+def _step(model, opt, step: int):
+    tok, labels = _batch(step)
+    pos = torch.arange(SEQ).expand(BATCH, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
+    model.train()
+    loss = model(tok, pos, mask, labels=labels).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _train_save_worker(rank, m, tp, root, port):
+    ps = _init(rank, tp, tp, 1, port)
+    torch.manual_seed(1234)
+    model = _model(m, tp, 1, True, True)
+    opt = _optimizer(model)
+    for step in range(2):
+        _step(model, opt, step)
+    it = Path(root) / "iter_0000002" / f"mp_rank_{rank:02d}"
+    it.mkdir(parents=True, exist_ok=True)
+    torch.save({"args": megatron_args(m, tp, 1), "iteration": 2, "checkpoint_version": 3.0,
+                "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "rng_state": [{"torch_rng_state": torch.get_rng_state()}]}, it / "model_optim_rng.pt")
+    (Path(root) / "latest_checkpointed_iteration.txt").write_text("2")
+    loss = _step(model, opt, 2)  # the uninterrupted run goes on
+    logits = _forward(ps, model, m, tp, 1)
+    if logits is not None:
+        torch.save({"loss": loss, "logits": logits}, Path(root).parent / f"{Path(root).name}.after.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _resume_worker(rank, m, tp, root, out, port):
+    ps = _init(rank, tp, tp, 1, port)
+    model = _model(m, tp, 1, True, True)
+    tracker = (Path(root) / "latest_checkpointed_iteration.txt").read_text().strip()
+    state = torch.load(Path(root) / f"iter_{int(tracker):07d}" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt",
+                       weights_only=False)
+    model.load_state_dict(state["model"], strict=True)
+    opt = _optimizer(model)
+    opt.load_state_dict(state["optimizer"])
+    loss = _step(model, opt, 2)
+    logits = _forward(ps, model, m, tp, 1)
+    if logits is not None:
+        torch.save({"loss": loss, "logits": logits}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train_and_save(m: dict, tp: int, root: Path) -> dict:
+    """Train 2 steps at TP=tp, save (with optimizer state), train one more; that step's result."""
+    _spawn(_train_save_worker, tp, m, tp, str(root))
+    return torch.load(root.parent / f"{root.name}.after.pt")
+
+
+def resume_one_step(m: dict, tp: int, root: Path) -> dict:
+    """Load model and optimizer at TP=tp (PP=1) and take the same next step."""
+    out = root.parent / f"{root.name}.resumed.pt"
+    _spawn(_resume_worker, tp, m, tp, str(root), str(out))
+    return torch.load(out)
