@@ -268,12 +268,11 @@ def _add_piece(index, params, canonical, replica, f, path, value, padded, topo, 
     info = index.tensors.get(key)
     if info is None:
         info = index.tensors[key] = TensorInfo(key, param.shape, value.dtype)
-    if replica or (param.rule == "replicated" and f.tp > 0):
-        return
+    copies = info.replicas if replica or (param.rule == "replicated" and f.tp > 0) else info.pieces
     for offset, region in shard.parts:
         if key != canonical:
             region = replace(region, key=key)
-        info.pieces.append(Piece(region, Location(f.rel, detail=(path, offset))))
+        copies.append(Piece(region, Location(f.rel, detail=(path, offset))))
 
 
 def _check_schema(schema: str, spec: ModelSpec, version, source: str) -> None:

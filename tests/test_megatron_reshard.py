@@ -197,3 +197,20 @@ def test_optimizer_state_resumes_exactly_at_new_tp(model, src_tp, dst_tp, tmp_pa
     resumed = H.resume_one_step(m, dst_tp, dst)
     assert abs(resumed["loss"] - after["loss"]) / abs(after["loss"]) < 1e-5
     assert (resumed["logits"] - after["logits"]).abs().max().item() < 1e-4
+
+
+def test_deep_verify_checks_replicas_are_equal(llama_tp2, tmp_path, run_cli):
+    import shutil
+
+    src, _ = llama_tp2
+    assert run_cli("verify", src, "--deep").code == 0
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    f = bad / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    state["model"]["decoder.layers.1.input_layernorm.weight"][3] += 1.0  # a TP-replicated norm
+    torch.save(state, f)
+    res = run_cli("verify", bad, "--deep")
+    assert res.code == 1
+    assert (f"replica differs from the primary copy ({f}, tensor "
+            "'decoder.layers.1.self_attention.linear_qkv.layer_norm_weight')") in res.out

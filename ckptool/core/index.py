@@ -47,6 +47,9 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: torch.dtype
     pieces: list[Piece] = field(default_factory=list)
+    replicas: list[Piece] = field(default_factory=list)
+    """Further stored copies of regions the pieces already cover (TP-replicated norms, the
+    last stage's tied embedding). Never read for data; ``verify --deep`` checks they are equal."""
 
     @property
     def nbytes(self) -> int:

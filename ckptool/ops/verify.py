@@ -31,7 +31,7 @@ from ckptool.core.errors import BadCheckpoint, CkptoolError, UsageError
 from ckptool.core.index import CheckpointIndex, Reader
 from ckptool.core.manifest import MANIFEST, Manifest, build_manifest, hash_files, read_manifest, \
     write_manifest
-from ckptool.core.regions import coverage_problems
+from ckptool.core.regions import coverage_problems, plan_copies
 from ckptool.core.safe_pickle import Opaque
 from ckptool.core.storage import Store, is_temporary
 
@@ -216,6 +216,7 @@ def _check_deep(check: _Check, reader: Reader, index: CheckpointIndex,
             c = counts.setdefault(key, [0, 0])
             c[0] += nan
             c[1] += inf
+    _check_replicas(check, reader, index)
     for key, (nan, inf) in counts.items():
         if nan or inf:
             check.add("nonfinite", f"tensor holds {nan} NaN and {inf} Inf values "
@@ -232,6 +233,25 @@ def _check_deep(check: _Check, reader: Reader, index: CheckpointIndex,
             check.warnings.append(Problem("opaque", f"object kept opaque: {value.reason}",
                                           store.display(obj.location.file) if obj.location else None,
                                           key))
+
+
+def _check_replicas(check: _Check, reader: Reader, index: CheckpointIndex) -> None:
+    """Every stored replica must equal the primary copy of the same region."""
+    for key, tensor in index.tensors.items():
+        sources = [p.region for p in tensor.pieces]
+        for replica in tensor.replicas:
+            if replica.location.file in check.bad_files:
+                continue
+            try:
+                copy = reader.read_piece(check.store, replica, tensor.dtype)
+                for c in plan_copies(sources, [replica.region]):
+                    primary = reader.read_box(check.store, tensor.pieces[c.src], tensor.dtype, c.box)
+                    if not torch.equal(primary.reshape(c.box[1]), replica.region.view(copy, c.box)):
+                        check.add("replica", "replica differs from the primary copy",
+                                  replica.location.file, key)
+                        break
+            except CkptoolError as exc:
+                check.add_error(exc, "unreadable")
 
 
 def _seal(store: Store, fmt: str, index: CheckpointIndex | None, manifest: Manifest | None) -> bool:
