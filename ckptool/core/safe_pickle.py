@@ -112,6 +112,7 @@ _DCP_STANDINS: dict[tuple[str, str], type] = {
     **{("torch.distributed.checkpoint.planner", name): type(name, (_Record,), {})
        for name in ("WriteItemType", "LoadItemType")},
 }
+_RECORD_MODULES = ("torch.distributed.checkpoint.", "megatron.core.dist_checkpointing.")
 _PLAIN = {
     ("torch", "Size"): tuple,
     ("torch.serialization", "_get_layout"): str,
@@ -134,6 +135,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
         found = _DCP_STANDINS.get((module, name)) or _PLAIN.get((module, name))
         if found is not None:
             return found
+        if module.startswith(_RECORD_MODULES):
+            # Planner data of DCP and of Megatron-Core's DCP strategy: plain data classes,
+            # rebuilt as inert records (their code is never imported).
+            return _DCP_STANDINS.setdefault((module, name), type(name, (_Record,), {}))
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
                                                                           torch.memory_format)):
             return getattr(torch, name)

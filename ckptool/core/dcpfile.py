@@ -1,0 +1,163 @@
+"""The PyTorch DCP container: ``.metadata`` plus ``__{rank}_{n}.distcp`` files, read safely.
+
+``.metadata`` is a pickled ``torch.distributed.checkpoint.metadata.Metadata``. It is read
+with a restricted unpickler into inert records. For every tensor it lists the global
+shape and dtype and the chunks (offsets, sizes), and ``storage_data`` maps each chunk and
+each non-tensor entry to ``(relative_path, offset, length)``. With the default
+``torch_save`` serialization each chunk is a small ``torch.save`` archive; with the
+``safetensors`` serialization each file is one safetensors container keyed by fqn.
+
+Both the ``dcp`` format and Megatron-Core's ``torch_dist`` are this container; each
+format subclasses :class:`DcpContainerReader`.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+
+from ckptool.core.errors import BadCheckpoint, CkptoolError, UnreadableInput
+from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo
+from ckptool.core.regions import Region
+from ckptool.core.safe_pickle import load_dcp_metadata, torch_load, torch_load_or_opaque
+from ckptool.core.stfile import parse_header
+from ckptool.core.storage import Store
+
+METADATA = ".metadata"
+SAVE_ID_MARK = "ckptool-"
+"""ckptool marks the DCP checkpoints it writes through ``storage_meta.save_id``."""
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+class DcpContainerReader(Reader):
+    """Reads any DCP container; subclasses set ``name`` and ``detect``."""
+
+    def read_index(self, store: Store) -> CheckpointIndex:
+        meta = read_metadata(store)
+        index = CheckpointIndex(format=self.name, url=store.url,
+                                format_version=getattr(meta, "version", None))
+        storage = meta.storage_data or {}
+        by_fqn: dict[tuple[str, tuple | None], Any] = {}
+        for mindex, info in storage.items():
+            offset = tuple(mindex.offset) if mindex.offset is not None else None
+            by_fqn[(mindex.fqn, offset)] = info
+            end = info.offset + info.length
+            index.files[info.relative_path] = max(index.files.get(info.relative_path, 0), end)
+
+        for key, entry in meta.state_dict_metadata.items():
+            if entry.chunks is None:  # BytesStorageMetadata
+                info = by_fqn.get((key, None))
+                index.objects[key] = ObjectInfo(key, _location(info) if info else None)
+                continue
+            shape = tuple(entry.size)
+            tensor = TensorInfo(key, shape, entry.properties.dtype)
+            for chunk in entry.chunks:
+                offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+                info = by_fqn.get((key, offsets))
+                if info is None:
+                    raise BadCheckpoint(f"chunk at {list(offsets)} has no storage entry",
+                                        path=store.display(METADATA), key=key)
+                try:
+                    region = Region(key, shape, offsets, sizes)
+                except ValueError as exc:
+                    raise BadCheckpoint(str(exc), path=store.display(METADATA), key=key) from None
+                tensor.pieces.append(Piece(region, _location(info)))
+            index.tensors[key] = tensor
+        save_id = getattr(getattr(meta, "storage_meta", None), "save_id", None) or ""
+        index.written_by_ckptool = save_id.startswith(SAVE_ID_MARK)
+        return index
+
+    def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+        loc = piece.location
+        raw = _read_location(store, loc)
+        shape = piece.region.local_shape
+        if raw[:4] == _ZIP_MAGIC:
+            tensor = torch_load(raw, store.display(loc.file))
+            if not isinstance(tensor, torch.Tensor):
+                raise BadCheckpoint("stored chunk is not a tensor", path=store.display(loc.file),
+                                    key=piece.region.key)
+        elif loc.offset == 0 and _looks_like_safetensors(raw):
+            tensor = _read_safetensors_chunk(store, loc.file, piece.region.key)
+        else:
+            expect = torch.Size(shape).numel() * dtype.itemsize
+            if len(raw) != expect:
+                raise BadCheckpoint(f"stored chunk has {len(raw)} bytes, expected {expect}",
+                                    path=store.display(loc.file), key=piece.region.key)
+            tensor = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise BadCheckpoint(
+                f"stored chunk is {tensor.dtype} {list(tensor.shape)}, metadata says "
+                f"{dtype} {list(shape)}", path=store.display(loc.file), key=piece.region.key)
+        return tensor.contiguous()
+
+    def read_object(self, store: Store, obj: ObjectInfo) -> Any:
+        if obj.location is None:
+            return obj.value
+        raw = _read_location(store, obj.location)
+        return torch_load_or_opaque(raw, store.display(obj.location.file))
+
+
+def read_metadata(store: Store):
+    if not store.exists(METADATA):
+        raise BadCheckpoint("DCP metadata file is missing", path=store.display(METADATA),
+                            hint="The checkpoint is incomplete; use an older one")
+    data = store.read_bytes(METADATA)
+    try:
+        return load_dcp_metadata(data, store.display(METADATA))
+    except CkptoolError:
+        raise
+    except (EOFError, ValueError, AttributeError, ImportError, IndexError, TypeError) as exc:
+        raise BadCheckpoint(f"DCP metadata cannot be parsed ({type(exc).__name__})",
+                            path=store.display(METADATA)) from None
+    except Exception as exc:  # pickle.UnpicklingError and friends from a damaged file
+        if exc.__class__.__module__ == "_pickle" or "pickle" in type(exc).__name__.lower():
+            raise BadCheckpoint(f"DCP metadata cannot be parsed ({exc})",
+                                path=store.display(METADATA)) from None
+        raise
+
+
+def _location(info) -> Location:
+    transforms = tuple(getattr(info, "transform_descriptors", None) or ())
+    return Location(info.relative_path, info.offset, info.length, transforms or None)
+
+
+def _read_location(store: Store, loc: Location) -> bytes:
+    end = loc.offset + loc.length if loc.length is not None else None
+    try:
+        raw = store.read_bytes(loc.file, loc.offset, end)
+    except UnreadableInput:
+        raise BadCheckpoint("data file is missing", path=store.display(loc.file)) from None
+    if loc.length is not None and len(raw) != loc.length:
+        raise BadCheckpoint(f"data file is truncated: wanted bytes {loc.offset}..{end}, "
+                            f"got {len(raw)}", path=store.display(loc.file))
+    if loc.detail:
+        raw = _untransform(raw, loc.detail, store.display(loc.file))
+    return raw
+
+
+def _untransform(raw: bytes, descriptors: tuple, source: str) -> bytes:
+    """Undo DCP stream transforms (e.g. compression extensions) with DCP's own registry."""
+    try:
+        from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+    except ImportError:
+        raise UnreadableInput(f"DCP transforms {list(descriptors)} need a newer torch",
+                              path=source) from None
+    stream = _StorageReaderTransforms().transform_load_stream(None, descriptors, io.BytesIO(raw))
+    return stream.read()
+
+
+def _looks_like_safetensors(raw: bytes) -> bool:
+    return len(raw) > 9 and raw[8:9] == b"{"
+
+
+def _read_safetensors_chunk(store: Store, file: str, key: str) -> torch.Tensor:
+    source = store.display(file)
+    entries, _ = parse_header(lambda a, b: store.read_bytes(file, a, b), source)
+    if key not in entries:
+        raise BadCheckpoint("tensor is missing from its safetensors file", path=source, key=key)
+    e = entries[key]
+    data = bytearray(store.read_bytes(file, e.begin, e.end))
+    return torch.frombuffer(data, dtype=e.dtype).reshape(e.shape) if data else \
+        torch.empty(e.shape, dtype=e.dtype)
