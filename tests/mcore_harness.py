@@ -109,14 +109,19 @@ def _forward(ps, model, m: dict, tp: int, pp: int) -> torch.Tensor | None:
         return torch.cat(parts, dim=-1)[..., :m["vocab_size"]] if tp_rank == 0 else None
 
 
-def _save_worker(rank, m, tp, root, port):
-    ps = _init(rank, tp, tp, 1, port)
+def _seeded_model(m, tp):
     torch.manual_seed(1234)
     model = _model(m, tp, 1, True, True)
     with torch.no_grad():  # non-trivial norms, so a norm mix-up cannot hide
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    return model
+
+
+def _save_worker(rank, m, tp, root, port):
+    ps = _init(rank, tp, tp, 1, port)
+    model = _seeded_model(m, tp)
     it = Path(root) / "iter_0000010" / f"mp_rank_{rank:02d}"
     it.mkdir(parents=True, exist_ok=True)
     state = {"args": megatron_args(m, tp, 1), "iteration": 10, "checkpoint_version": 3.0,
@@ -255,3 +260,28 @@ def resume_one_step(m: dict, tp: int, root: Path) -> dict:
     out = root.parent / f"{root.name}.resumed.pt"
     _spawn(_resume_worker, tp, m, tp, str(root), str(out))
     return torch.load(out)
+
+
+def _save_dist_worker(rank, m, tp, root, port):
+    """The same model as _save_worker, saved by Megatron-Core's own dist_checkpointing."""
+    _init(rank, tp, tp, 1, port)
+    torch.cuda.synchronize = lambda *a, **k: None
+    from megatron.core import dist_checkpointing
+
+    model = _seeded_model(m, tp)
+    it = Path(root) / "iter_0000010"
+    if rank == 0:
+        it.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state = {"model": model.sharded_state_dict(), "args": megatron_args(m, tp, 1), "iteration": 10,
+             "checkpoint_version": 3.0}
+    dist_checkpointing.save(state, str(it))
+    if rank == 0:
+        (Path(root) / "latest_checkpointed_iteration.txt").write_text("10")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def save_dist(m: dict, tp: int, root: Path) -> None:
+    """Save a real Megatron-Core torch_dist checkpoint of the model save_real builds."""
+    _spawn(_save_dist_worker, tp, m, tp, str(root))
