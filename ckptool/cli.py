@@ -241,16 +241,65 @@ def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, tp, pp, dp, true_vocab_size, 
     finally:
         if bar:
             bar.close()
+    _render_rewrite(out, res, "resharded")
+
+
+def _render_rewrite(out: Output, res, verb: str) -> None:
     src_t, dst_t = _topology(res.source_topology), _topology(res.target_topology)
-    lines = [f"{'plan' if res.dry_run else 'resharded'}: {res.source} ({src_t}) -> {res.destination} "
+    lines = [f"{'plan' if res.dry_run else verb}: {res.source} ({src_t}) -> {res.destination} "
              f"({dst_t}), {res.format}",
              f"  {len(res.files)} files, read {_size(res.bytes_read)}, write {_size(res.bytes_written)}"
              + ("" if res.dry_run else f", {res.seconds:.1f}s")]
     if res.dropped:
         lines.append(f"  left out on request: {res.dropped}")
+    lines += [f"  note: {n}" for n in res.notes]
     if res.dry_run:
         lines += [f"  {f.path}  {_size(f.bytes)}" for f in res.files]
     out.result(res, "\n".join(lines))
+
+
+class FormatType(click.ParamType):
+    name = "format"
+
+    def convert(self, value, param, ctx):
+        import converters
+
+        if value not in converters.FORMATS:
+            self.fail(f"{value!r} is not a format; use one of {', '.join(converters.FORMATS)}",
+                      param, ctx)
+        return value
+
+
+@cli.command()
+@click.argument("src", metavar="SRC")
+@click.argument("dst", metavar="DST")
+@click.option("--to", "to_format", required=True, type=FormatType(), help="Target format.")
+@click.option("--tp", "--to-tp", "tp", type=_SIZE, help="Target tensor-parallel size (default: SRC's).")
+@click.option("--pp", "--to-pp", "pp", type=_SIZE, help="Target pipeline-parallel size.")
+@click.option("--dp", "--to-dp", "dp", type=_SIZE, help="Target data-parallel size.")
+@click.option("--true-vocab-size", type=_SIZE, help="The tokenizer's vocabulary size, if SRC lacks it.")
+@click.option("--workers", default=4, show_default=True, type=_SIZE, help="Target files written in parallel.")
+@click.option("--dry-run", is_flag=True, help="Print the plan: target files, bytes read and written.")
+@click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
+@click.option("--drop-optimizer", is_flag=True,
+              help="Write model weights only when SRC's optimizer state cannot be carried.")
+@_output_options
+def convert(src, dst, to_format, tp, pp, dp, true_vocab_size, workers, dry_run, overwrite,
+            drop_optimizer, as_json, quiet):
+    """Write the checkpoint SRC at DST in another format, optionally at another TP/PP.
+
+    --tp/--pp/--dp describe the target (SRC's own layout is read from it).
+
+    \b
+    ckptool convert /ckpt/run/iter_0001000 /ckpt/legacy --to megatron --tp 4 --pp 2
+    """
+    from ckptool.ops.reshard import convert as run
+
+    out = Output(as_json, quiet)
+    res = run(src, dst, to_format=to_format, to={"tp": tp, "pp": pp, "dp": dp}, workers=workers,
+              dry_run=dry_run, overwrite=overwrite, true_vocab_size=true_vocab_size,
+              drop_optimizer=drop_optimizer)
+    _render_rewrite(out, res, "converted")
 
 
 _TARGET_FLAGS = {"--tp": "--to-tp", "--pp": "--to-pp", "--dp": "--to-dp"}

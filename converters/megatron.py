@@ -47,6 +47,9 @@ OPTIMIZER_KEY = "megatron.optimizer"
 """Why the source's optimizer state cannot be carried (absent when it can, or there is none)."""
 OPTIMIZER_LAYOUT_KEY = "megatron.optimizer.layout"
 MODEL_PATH = "@model"
+EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
+                       "mlp.linear_fc2")
+"""Megatron-Core modules that carry an ``_extra_state`` entry (the linears)."""
 OPTIM_PATH = "@optim"
 DISTRIB_OPTIM = "distrib_optim.pt"
 _LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -370,6 +373,13 @@ class MegatronWriter:
             spec, known = replace(spec, vocab_size=int(true_vocab_size)), True
         return retarget_spec(spec, source.tp, target.tp, known)
 
+    def notes(self, index: CheckpointIndex) -> list[str]:
+        """What a user resuming from the output must know."""
+        if not any(k.endswith(".rng_state") for k in index.objects):
+            return ["the source has no RNG state, so none is written: resume with Megatron's "
+                    "--no-load-rng"]
+        return []
+
     def unsupported_state(self, index: CheckpointIndex) -> str | None:
         """State in the source that this writer cannot carry (the caller must not drop it silently)."""
         obj = index.objects.get(OPTIMIZER_KEY)
@@ -495,17 +505,20 @@ def _pick_rng(index: CheckpointIndex, tp: int, pp: int):
 
 
 def _extra_states(index: CheckpointIndex, chunk_layers: range, first: bool, last: bool) -> dict:
-    """``_extra_state`` entries of this file's modules, carried from the source (mcore only)."""
+    """``_extra_state`` entries of this file's modules (mcore only): carried from the source,
+    or, when the source format has none, the empty ones Megatron-Core's modules expect."""
+    found = {k[len("extra:"):]: o.value for k, o in index.objects.items() if k.startswith("extra:")}
+    if not found:
+        found = {f"decoder.layers.{g}.{module}": None for g in chunk_layers
+                 for module in EXTRA_STATE_MODULES}
+        found["output_layer"] = None
     out = {}
-    for key, obj in index.objects.items():
-        if not key.startswith("extra:"):
-            continue
-        module = key[len("extra:"):]
+    for module, value in found.items():
         m = _LAYER_MODULE.match(module)
         if m:
             g = int(m.group(1))
             if g in chunk_layers:
-                out[f"decoder.layers.{chunk_layers.index(g)}.{m.group(2)}.{EXTRA}"] = obj.value
+                out[f"decoder.layers.{chunk_layers.index(g)}.{m.group(2)}.{EXTRA}"] = value
         elif (module.startswith("embedding") and first) or (not module.startswith("embedding") and last):
-            out[f"{module}.{EXTRA}"] = obj.value
+            out[f"{module}.{EXTRA}"] = value
     return out

@@ -137,7 +137,7 @@ def _save_worker(rank, m, tp, root, port):
     dist.destroy_process_group()
 
 
-def _load_worker(rank, m, tp, pp, root, out, port):
+def _load_worker(rank, m, tp, pp, root, out, no_rng, port):
     ps = _init(rank, tp * pp, tp, pp, port)
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     model = _model(m, tp, pp, pp_rank == 0, pp_rank == pp - 1)
@@ -148,7 +148,8 @@ def _load_worker(rank, m, tp, pp, root, out, port):
     # What Megatron-LM's loader asserts and does.
     assert state["args"].tensor_model_parallel_size == tp
     assert state["args"].pipeline_model_parallel_size == pp
-    assert "iteration" in state and "rng_state" in state
+    assert "iteration" in state
+    assert "rng_state" in state or no_rng  # else Megatron needs --no-load-rng
     model.load_state_dict(state["model"], strict=True)
     logits = _forward(ps, model, m, tp, pp)
     if logits is not None:
@@ -171,10 +172,10 @@ def save_real(m: dict, tp: int, root: Path) -> torch.Tensor:
     return torch.load(root.parent / f"{root.name}.logits.pt")
 
 
-def load_logits(m: dict, tp: int, pp: int, root: Path) -> torch.Tensor:
+def load_logits(m: dict, tp: int, pp: int, root: Path, no_rng: bool = False) -> torch.Tensor:
     """Load a legacy checkpoint into real mcore stage models at TP/PP; return logits."""
     out = root.parent / f"{root.name}.loaded-logits.pt"
-    _spawn(_load_worker, tp * pp, m, tp, pp, str(root), str(out))
+    _spawn(_load_worker, tp * pp, m, tp, pp, str(root), str(out), no_rng)
     return torch.load(out)
 
 

@@ -24,6 +24,12 @@ def both(tmp_path_factory):
     return base / "legacy", base / "dist"
 
 
+@pytest.fixture(scope="module")
+def reference_logits(both):
+    legacy, _ = both
+    return torch.load(legacy.parent / f"{legacy.name}.logits.pt")
+
+
 def _full(opened, key):
     info = opened.index.tensors[key]
     t = TargetTensor(key, Shard.of(Region.whole(key, info.shape)), info.dtype)
@@ -50,3 +56,21 @@ def test_inspect_and_deep_verify_torch_dist(both, run_cli):
     # fc1 of a stacked layer is [gate; up]: four pieces per layer at TP2
     fc1 = next(t for t in data["largest"] if t["key"].endswith("linear_fc1.weight"))
     assert fc1["shape"] == [96, 32] and fc1["pieces"] == 4
+
+
+def test_convert_torch_dist_to_legacy_megatron_at_new_tp_pp(both, reference_logits, tmp_path, run_cli):
+    _, dist = both
+    dst = tmp_path / "legacy-tp1pp2"
+    res = run_cli("convert", dist, dst, "--to", "megatron", "--tp", 1, "--pp", 2,
+                  "--true-vocab-size", 1000)
+    assert res.code == 0, res.err
+    assert "converted:" in res.out and "(TP2/PP1/DP1) ->" in res.out
+    assert "note: the source has no RNG state, so none is written" in res.out
+    got = H.load_logits(H.LLAMA, 1, 2, dst, no_rng=True)
+    assert (got - reference_logits).abs().max().item() < 1e-5
+
+
+def test_convert_rejects_unknown_format(both, tmp_path, run_cli):
+    _, dist = both
+    res = run_cli("convert", dist, tmp_path / "x", "--to", "onnx")
+    assert res.code == 2 and "'onnx' is not a format; use one of dcp, megatron-dist" in res.err

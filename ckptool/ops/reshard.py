@@ -1,4 +1,5 @@
-"""``ckptool reshard``: the same format, another TP/PP layout.
+"""``ckptool reshard`` (same format, another TP/PP layout) and ``ckptool convert`` (another
+format, and optionally another layout): one rewrite path for both.
 
 The source topology is read from the checkpoint (``--tp/--pp/--dp`` for the source are
 assertions). Impossible targets are refused before anything is written. The output is
@@ -9,11 +10,11 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import converters
-from ckptool.checkpoint import open_checkpoint
+from ckptool.checkpoint import Opened, open_checkpoint
 from ckptool.core.engine import bytes_read, fill_tensor
 from ckptool.core.errors import UsageError, UnsupportedFormat
 from ckptool.core.layout import check as check_layout
@@ -42,6 +43,8 @@ class ReshardResult:
     bytes_written: int = 0
     dropped: str | None = None
     """State of the source that was left out on request (--drop-optimizer)."""
+    notes: list[str] = field(default_factory=list)
+    """What whoever resumes from DST must know."""
     seconds: float = 0.0
     dry_run: bool = False
 
@@ -50,27 +53,52 @@ def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers
             dry_run: bool = False, overwrite: bool = False, true_vocab_size: int | None = None,
             drop_optimizer: bool = False,
             progress: Callable[[int], object] | None = None) -> ReshardResult:
-    """Rewrite checkpoint ``src`` at ``dst`` with the topology changed by ``to``.
+    """Rewrite checkpoint ``src`` at ``dst`` in its own format, the topology changed by ``to``.
 
     ``to`` maps tp/pp/dp/vpp/zero to target values (missing keys keep the source's);
     ``expect`` holds assertions about the source topology.
     """
-    started = time.perf_counter()
     opened = open_checkpoint(src)
-    fmt = opened.format
-    if fmt not in RESHARDABLE:
-        raise UnsupportedFormat(f"reshard of {fmt} checkpoints is not implemented yet",
+    if opened.format not in RESHARDABLE:
+        raise UnsupportedFormat(f"reshard of {opened.format} checkpoints is not implemented yet",
                                 path=opened.store.url, hint=f"Supported now: {', '.join(RESHARDABLE)}")
+    changes = {k: v for k, v in to.items() if v is not None}
+    if not changes:
+        raise UsageError("nothing to change", hint="Give at least one of --to-tp, --to-pp, --to-dp")
+    return rewrite(opened, dst, opened.format, to=changes, expect=expect, workers=workers,
+                   dry_run=dry_run, overwrite=overwrite, true_vocab_size=true_vocab_size,
+                   drop_optimizer=drop_optimizer, progress=progress)
+
+
+def convert(src: str, dst: str, *, to_format: str, to: dict | None = None, workers: int = 1,
+            dry_run: bool = False, overwrite: bool = False, true_vocab_size: int | None = None,
+            drop_optimizer: bool = False,
+            progress: Callable[[int], object] | None = None) -> ReshardResult:
+    """Write checkpoint ``src`` at ``dst`` in format ``to_format`` (topology per ``to``)."""
+    opened = open_checkpoint(src)
+    return rewrite(opened, dst, to_format, to={k: v for k, v in (to or {}).items() if v is not None},
+                   workers=workers, dry_run=dry_run, overwrite=overwrite,
+                   true_vocab_size=true_vocab_size, drop_optimizer=drop_optimizer, progress=progress)
+
+
+def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None = None,
+            workers: int = 1, dry_run: bool = False, overwrite: bool = False,
+            true_vocab_size: int | None = None, drop_optimizer: bool = False,
+            progress: Callable[[int], object] | None = None) -> ReshardResult:
+    """The one path for reshard and convert: plan the target files, fill them region by
+    region from the source, commit atomically."""
+    started = time.perf_counter()
     index = opened.index
     source_topo = index.topology
+    if source_topo is None or index.model_config is None:
+        raise UsageError("the source does not say what model or topology it holds",
+                         path=opened.store.url, hint="Its format records no args/config")
     for name, value in (expect or {}).items():
         if value is not None and getattr(source_topo, name) != value:
             raise UsageError(f"--{name} {value} does not match the checkpoint, which is "
                              f"{name.upper()}{getattr(source_topo, name)} ({source_topo})",
                              path=opened.store.url, hint=f"Drop --{name} or fix it")
-    changes = {k: v for k, v in to.items() if v is not None}
-    if not changes:
-        raise UsageError("nothing to change", hint="Give at least one of --to-tp, --to-pp, --to-dp")
+    changes = dict(to)
     if "pp" in changes and "vpp" not in changes and changes["pp"] != source_topo.pp:
         changes["vpp"] = 1
     target_topo = replace(source_topo, **changes)
@@ -89,14 +117,14 @@ def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers
         source_topology=source_topo.to_dict(), target_topology=target_topo.to_dict(),
         files=[PlannedFile(f.path, f.nbytes) for f in plan], bytes_read=bytes_read(plan, index),
         bytes_written=sum(f.nbytes for f in plan), dry_run=dry_run,
-        dropped=uncarried if drop_optimizer else None)
+        dropped=uncarried if drop_optimizer else None, notes=writer.notes(index))
     if dry_run:
         return result
 
     out = atomic_output(dst, overwrite=overwrite)
     try:
-        def read_box(piece, dtype, box, out):
-            opened.reader.read_box_into(opened.store, piece, dtype, box, out)
+        def read_box(piece, dtype, box, out_view):
+            opened.reader.read_box_into(opened.store, piece, dtype, box, out_view)
 
         def write_one(target):
             size, digest = writer.write_file(out.store, target,
@@ -112,7 +140,7 @@ def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers
         for rel, (size, digest) in hash_files(out.store, extra).items():
             entries.append(FileEntry(rel, size, digest))
         manifest = Manifest(format=fmt, files=sorted(entries, key=lambda e: e.path),
-                            topology=target_topo.to_dict(), model_config=index.model_config,
+                            topology=target_topo.to_dict(), model_config=asdict(spec),
                             true_vocab_size=true_vocab_size or index.true_vocab_size,
                             iteration=index.iteration, format_version=index.format_version)
         out.commit(lambda store: write_manifest(store, manifest))
@@ -126,4 +154,4 @@ def parse_to(tp=None, pp=None, dp=None, zero=None, vpp=None) -> dict:
     return {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "vpp": vpp}
 
 
-__all__ = ["reshard", "ReshardResult", "PlannedFile", "Topology"]
+__all__ = ["reshard", "convert", "rewrite", "ReshardResult", "PlannedFile", "Topology"]
