@@ -24,6 +24,7 @@ READERS = {
 FORMATS = tuple(READERS)
 WRITERS = {
     "megatron": "converters.megatron:MegatronWriter",
+    "megatron-dist": "converters.megatron_dist:MegatronDistWriter",
 }
 
 # More specific layouts first: a DeepSpeed universal checkpoint also has model-state files,

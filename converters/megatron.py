@@ -27,8 +27,9 @@ import torch
 
 from ckptool.core import VERSION
 from ckptool.core.engine import TargetFile, TargetTensor
-from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
-from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo
+from ckptool.core.errors import BadCheckpoint, UnreadableInput
+from ckptool.core.index import (CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo,
+                                 Writer)
 from ckptool.core.layout import ModelSpec, layout, stage_layers
 from ckptool.core.manifest import HashingWriter
 from ckptool.core import torchfile
@@ -38,7 +39,7 @@ from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from converters import megatron_optimizer as optim
 from converters.megatron_common import (ITER_DIR, SCHEMAS, TRACKER, detect_schema, iteration_dir,
-                                        parameter_order, params_by_key, retarget_spec, spec_from_args, to_canonical,
+                                        parameter_order, params_by_key, source_dtype, target_spec, spec_from_args, to_canonical,
                                         tracked_dir, update_args)
 
 EXTRA = "_extra_state"
@@ -357,21 +358,14 @@ def _unflatten(flat: dict[str, Any], nested: bool) -> dict:
 # ----------------------------------------------------------------------------- writing
 
 
-class MegatronWriter:
+class MegatronWriter(Writer):
     """Writes a legacy Megatron run root: tracker + ``iter_*/mp_rank_*/model_optim_rng.pt``."""
 
     name = NAME
 
     def target_spec(self, index: CheckpointIndex, source: Topology, target: Topology,
                     true_vocab_size: int | None) -> ModelSpec:
-        spec = ModelSpec(**index.model_config)
-        known = index.true_vocab_size is not None
-        if true_vocab_size:
-            if true_vocab_size > spec.global_vocab_rows:
-                raise UsageError(f"--true-vocab-size {true_vocab_size} exceeds the checkpoint's "
-                                 f"{spec.global_vocab_rows} embedding rows")
-            spec, known = replace(spec, vocab_size=int(true_vocab_size)), True
-        return retarget_spec(spec, source.tp, target.tp, known)
+        return target_spec(index, source, target, true_vocab_size)
 
     def notes(self, index: CheckpointIndex) -> list[str]:
         """What a user resuming from the output must know."""
@@ -407,7 +401,7 @@ class MegatronWriter:
                 named.append((t.chunk, parameter_order(schema, name), name, t))
             for chunk, _, name, t in sorted(named, key=lambda x: (x[0], x[1])):
                 chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
-                target.tensors.append(TargetTensor((chunk_key, name), t.shard, _dtype_of(index, _key(t))))
+                target.tensors.append(TargetTensor((chunk_key, name), t.shard, source_dtype(index, _key(t))))
             if optim_layout is not None:
                 for chunk, _, name, t in sorted(named, key=lambda x: (x[0], x[1])):
                     chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
@@ -416,7 +410,7 @@ class MegatronWriter:
                             (off, replace(r, key=optim.state_key(kind, r.key))) for off, r in t.shard.parts))
                         key = optim.state_key(kind, _key(t))
                         target.tensors.append(TargetTensor((OPTIM_PATH, kind, chunk_key, name), shard,
-                                                           _dtype_of(index, key)))
+                                                           source_dtype(index, key)))
             files.append(target)
         return files
 
@@ -477,17 +471,6 @@ class MegatronWriter:
 def _key(t) -> str:
     """The global key of a layout tensor (its regions'), or its local name if all padding."""
     return t.shard.regions[0].key if t.shard.regions else t.name
-
-
-def _dtype_of(index: CheckpointIndex, key: str) -> torch.dtype:
-    """The source dtype of ``key``, or of the same parameter in any layer."""
-    if key in index.tensors:
-        return index.tensors[key].dtype
-    pattern = re.sub(r"layers\.\d+\.", "layers.*.", key)
-    for other, info in index.tensors.items():
-        if re.sub(r"layers\.\d+\.", "layers.*.", other) == pattern:
-            return info.dtype
-    raise UsageError(f"source has no tensor for {key!r}")
 
 
 def _pick_rng(index: CheckpointIndex, tp: int, pp: int):

@@ -293,3 +293,28 @@ def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology
     if true_vocab_size:
         new.ckptool_true_vocab_size = int(true_vocab_size)
     return new
+
+
+def target_spec(index, source: Topology, target: Topology, true_vocab_size: int | None) -> ModelSpec:
+    """The model of ``index`` laid out for ``target`` (vocab padding checked)."""
+    from dataclasses import replace
+
+    spec = ModelSpec(**index.model_config)
+    known = index.true_vocab_size is not None
+    if true_vocab_size:
+        if true_vocab_size > spec.global_vocab_rows:
+            raise UsageError(f"--true-vocab-size {true_vocab_size} exceeds the checkpoint's "
+                             f"{spec.global_vocab_rows} embedding rows")
+        spec, known = replace(spec, vocab_size=int(true_vocab_size)), True
+    return retarget_spec(spec, source.tp, target.tp, known)
+
+
+def source_dtype(index, key: str):
+    """The source dtype of ``key``, or of the same parameter in any layer."""
+    if key in index.tensors:
+        return index.tensors[key].dtype
+    pattern = re.sub(r"layers\.\d+\.", "layers.*.", key)
+    for other, info in index.tensors.items():
+        if re.sub(r"layers\.\d+\.", "layers.*.", other) == pattern:
+            return info.dtype
+    raise UsageError(f"source has no tensor for {key!r}")

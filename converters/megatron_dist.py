@@ -16,24 +16,39 @@ pieces. The older ``zarr`` backend is detected but not read yet.
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import threading
 from dataclasses import asdict, replace
 
 import torch
 
-from ckptool.core.dcpfile import DcpContainerReader
+from ckptool.core.dcpfile import METADATA, DcpContainerReader
+from ckptool.core.dcpwrite import DcpFileWriter, write_metadata
+from ckptool.core.engine import TargetFile, TargetTensor
+from ckptool.core.layout import VOCAB, ModelSpec, layout
+from ckptool.core.regions import Shard
+from ckptool.core.topology import Topology
 from ckptool.core.errors import BadCheckpoint, UnsupportedFormat
-from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, TensorInfo
+from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, TensorInfo, Writer
 from ckptool.core.regions import Region
 from ckptool.core.storage import Store
 from ckptool.core.torchfile import TorchFile
-from converters.megatron_common import spec_from_args, tracked_dir
+from converters import megatron_optimizer as optim
+from converters.megatron_common import (TRACKER, iteration_dir, params_by_key, source_dtype,
+                                        spec_from_args, target_spec, tracked_dir, update_args)
+
+EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
+                       "mlp.linear_fc2")
 
 NAME = "megatron-dist"
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
 STACKED = "decoder.layers."
 STACK_TAG = "stacked-layer"
+CANONICAL_COMMON = ("args", "iteration", "checkpoint_version", "opt_param_scheduler",
+                    "num_floating_point_operations_so_far")
+"""common.pt entries that mean the same as the legacy rank files' keys of the same name."""
 
 
 def _metadata(store: Store, rel: str = "") -> dict | None:
@@ -114,7 +129,8 @@ class MegatronDistReader(DcpContainerReader):
         if not isinstance(common, dict):
             return
         for key, value in common.items():
-            index.objects[f"common.{key}"] = ObjectInfo(key, value=value)
+            name = key if key in CANONICAL_COMMON else f"common.{key}"
+            index.objects[name] = ObjectInfo(key, value=value)
         if isinstance(common.get("iteration"), int):
             index.iteration = common["iteration"]
         args = common.get("args")
@@ -150,3 +166,135 @@ def _split_layers(index: CheckpointIndex, key: str, info: TensorInfo, pieces: li
             loc = Location(p.location.file, p.location.offset, p.location.length,
                            (STACK_TAG, i, p.region, p.location.detail))
             index.tensors[name].pieces.append(Piece(region, loc))
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class MegatronDistWriter(Writer):
+    """Writes a Megatron-Core ``torch_dist`` run root: tracker + ``iter_*/`` with
+    ``metadata.json``, ``common.pt`` and a DCP container whose per-layer tensors are stacked.
+
+    Each target rank's file holds the chunks that rank owns (its TP shard of every tensor of
+    its pipeline stage; replicas once), so a job at that topology reads one file per rank.
+    """
+
+    name = NAME
+
+    def __init__(self):
+        self._target = None
+        self._writers = []
+        self._lock = threading.Lock()
+        self._shapes: dict[str, tuple] = {}
+
+    def target_spec(self, index, source, target, true_vocab_size):
+        return target_spec(index, source, target, true_vocab_size)
+
+    def notes(self, index) -> list[str]:
+        return ["RNG state is not written to torch_dist outputs yet: resume with Megatron's "
+                "--no-load-rng"]
+
+    def unsupported_state(self, index) -> str | None:
+        if any(k.startswith(optim.PREFIX) for k in index.tensors) or \
+                index.objects.get("megatron.optimizer"):
+            return "writing optimizer state to torch_dist is not implemented yet"
+        return None
+
+    def source_schema(self, opened) -> str:
+        return "mcore-te"
+
+    def plan(self, index, topo: Topology, spec: ModelSpec, schema: str = "mcore-te",
+             with_optimizer: bool = True) -> list[TargetFile]:
+        it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)
+        params = params_by_key(spec)
+        padded = spec.padded_vocab(topo.tp)
+        files = []
+        self._shapes = {}
+        self._target = (spec, topo)
+        for rank in layout(spec, topo):
+            rank_id = rank.pp_rank * topo.tp + rank.tp_rank
+            target = TargetFile(f"{it_dir}/__{rank_id}_0.distcp",
+                                context={"rank": rank_id, "it_dir": it_dir, "spec": spec, "topo": topo})
+            for t in rank.tensors:
+                if t.replica:
+                    continue
+                for shard, key, offsets, lengths, shape in _chunks(t, params, spec, padded, rank.tp_rank):
+                    self._shapes[key] = (shape, source_dtype(index, _first_key(t)))
+                    target.tensors.append(TargetTensor((key, offsets, lengths), shard,
+                                                       source_dtype(index, _first_key(t))))
+            files.append(target)
+        return files
+
+    def write_file(self, store: Store, target: TargetFile, produce, index, true_vocab_size):
+        ctx = target.context
+        sub = store.child(ctx["it_dir"])
+        sub.fs.makedirs(sub.root, exist_ok=True)
+        with DcpFileWriter(sub, target.path.rsplit("/", 1)[1]) as w:
+            for t in target.tensors:
+                key, offsets, lengths = t.name
+                w.add_chunk(key, offsets, lengths, produce(t).reshape(lengths))
+            if ctx["rank"] == 0:
+                spec = ctx["spec"]
+                for g in range(spec.num_layers):
+                    for module in EXTRA_STATE_MODULES:
+                        # mcore stores each ShardedObject as the list of its local values
+                        w.add_object(f"{STACKED}{module}._extra_state/shard_{g}_{spec.num_layers}",
+                                     [None])
+        with self._lock:
+            self._writers.append(w)
+        return w.digest
+
+    def finalize(self, store: Store, index) -> list[str]:
+        first = self._writers[0]
+        it_dir = first.store.root[len(store.root):].strip("/")
+        sub = store.child(it_dir)
+        write_metadata(sub, self._shapes, self._writers)
+        sub.write_bytes(METADATA_JSON, json.dumps({
+            "sharded_backend": "torch_dist", "sharded_backend_version": 1,
+            "common_backend": "torch", "common_backend_version": 1}).encode())
+        common = {k.removeprefix("common."): v.value for k, v in index.objects.items()
+                  if k.startswith("common.")}
+        for key in CANONICAL_COMMON:
+            if key in index.objects:
+                common[key] = index.objects[key].value
+        common.setdefault("iteration", index.iteration or 0)
+        common.setdefault("checkpoint_version", 3.0)
+        args = index.objects.get("args")
+        spec, topo = self._target
+        common["args"] = update_args(args.value if args else None, spec, topo, index.true_vocab_size)
+        buf = io.BytesIO()
+        torch.save(common, buf)
+        sub.write_bytes(COMMON, buf.getvalue())
+        store.write_bytes(TRACKER, str(common["iteration"]).encode())
+        return [f"{it_dir}/{METADATA}", f"{it_dir}/{METADATA_JSON}", f"{it_dir}/{COMMON}", TRACKER]
+
+
+def _first_key(t) -> str:
+    return t.shard.regions[0].key if t.shard.regions else t.name
+
+
+def _chunks(t, params, spec: ModelSpec, padded: int, tp_rank: int):
+    """The DCP chunks of one layout tensor: (shard, key, chunk offsets, lengths, global shape)."""
+    regions = t.shard.regions
+    param = params.get(regions[0].key) if regions else params.get(t.name)
+    if param is not None and param.rule == VOCAB:
+        rows = t.shard.shape[0]
+        yield (t.shard, param.key, (tp_rank * rows, *(0,) * (len(t.shard.shape) - 1)),
+               t.shard.shape, (padded, *param.shape[1:]))
+        return
+    for _, region in t.shard.parts:
+        key, layer = _stacked_key(region.key)
+        if layer is None:
+            yield Shard.of(region), key, region.offsets, region.lengths, region.global_shape
+        else:
+            yield (Shard.of(region), key, (layer, *region.offsets), (1, *region.lengths),
+                   (spec.num_layers, *region.global_shape))
+
+
+def _stacked_key(key: str) -> tuple[str, int | None]:
+    """``decoder.layers.3.x`` -> (``decoder.layers.x``, 3); other keys unchanged."""
+    if STACKED not in key:
+        return key, None
+    head, rest = key.split(STACKED, 1)
+    index, _, tail = rest.partition(".")
+    return (f"{head}{STACKED}{tail}", int(index)) if index.isdigit() else (key, None)

@@ -286,3 +286,29 @@ def _save_dist_worker(rank, m, tp, root, port):
 def save_dist(m: dict, tp: int, root: Path) -> None:
     """Save a real Megatron-Core torch_dist checkpoint of the model save_real builds."""
     _spawn(_save_dist_worker, tp, m, tp, str(root))
+
+
+def _load_dist_worker(rank, m, tp, root, out, port):
+    """Megatron-Core's own dist_checkpointing.load at TP=tp (PP=1), then a forward."""
+    ps = _init(rank, tp, tp, 1, port)
+    torch.cuda.synchronize = lambda *a, **k: None
+    from megatron.core import dist_checkpointing
+
+    model = _model(m, tp, 1, True, True)
+    tracker = (Path(root) / "latest_checkpointed_iteration.txt").read_text().strip()
+    it = Path(root) / f"iter_{int(tracker):07d}"
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(it))
+    model.load_state_dict(state["model"], strict=True)
+    common = torch.load(it / "common.pt", weights_only=False)
+    assert common["args"].tensor_model_parallel_size == tp
+    logits = _forward(ps, model, m, tp, 1)
+    if logits is not None:
+        torch.save(logits, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def load_dist_logits(m: dict, tp: int, root: Path) -> torch.Tensor:
+    out = root.parent / f"{root.name}.dist-logits.pt"
+    _spawn(_load_dist_worker, tp, m, tp, str(root), str(out))
+    return torch.load(out)

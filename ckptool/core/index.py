@@ -115,3 +115,41 @@ class Reader:
         if obj.location is None:
             return obj.value
         raise NotImplementedError
+
+
+class Writer:
+    """A format's writer, driven by the one rewrite path (``ckptool.ops.reshard.rewrite``).
+
+    ``plan`` lists the target files and the shards each holds; ``write_file`` writes one
+    (``produce(target_tensor)`` fills each tensor from the source, one at a time) and
+    returns ``(size, xxh3-128)``; ``finalize`` runs once after every file is written and
+    returns the further files it wrote. A writer says what it cannot carry
+    (``unsupported_state``), so nothing is dropped silently, and what a user resuming
+    from its output must know (``notes``).
+    """
+
+    name: str = ""
+
+    def target_spec(self, index: CheckpointIndex, source: Topology, target: Topology,
+                    true_vocab_size: int | None):
+        raise NotImplementedError
+
+    def source_schema(self, opened) -> str:
+        raise NotImplementedError
+
+    def plan(self, index: CheckpointIndex, topo: Topology, spec, schema: str,
+             with_optimizer: bool = True) -> list:
+        raise NotImplementedError
+
+    def write_file(self, store: Store, target, produce, index: CheckpointIndex,
+                   true_vocab_size: int | None) -> tuple[int, str]:
+        raise NotImplementedError
+
+    def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
+        return []
+
+    def unsupported_state(self, index: CheckpointIndex) -> str | None:
+        return None
+
+    def notes(self, index: CheckpointIndex) -> list[str]:
+        return []

@@ -22,7 +22,7 @@ from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifes
 from ckptool.core.storage import atomic_output
 from ckptool.core.topology import Topology
 
-RESHARDABLE = ("megatron",)
+RESHARDABLE = ("megatron", "megatron-dist")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,101 @@
+"""Writing the PyTorch DCP container as a stream: one ``.distcp`` file per writer rank,
+then ``.metadata``.
+
+Each tensor chunk is a ``torch.save`` archive appended to its rank's file (what DCP's
+default ``torch_save`` serialization writes), each non-tensor entry its ``torch.save``
+bytes. The bytes are hashed while they are written. ``.metadata`` is built from DCP's own
+metadata classes, so ``torch.distributed.checkpoint.load`` reads the result; its
+``storage_meta.save_id`` carries ckptool's mark.
+"""
+
+from __future__ import annotations
+
+import io
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptool.core import torchfile
+from ckptool.core.dcpfile import METADATA, SAVE_ID_MARK
+from ckptool.core.manifest import HashingWriter
+from ckptool.core.storage import Store
+
+
+@dataclass
+class ChunkRecord:
+    key: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass
+class DcpFileWriter:
+    """Appends chunks and objects to one ``.distcp`` file, recording where each went."""
+
+    store: Store
+    path: str
+    chunks: list[ChunkRecord] = field(default_factory=list)
+    objects: list[tuple[str, str, int, int]] = field(default_factory=list)
+
+    def __enter__(self):
+        self._raw = self.store.open_file(self.path, "wb")
+        self._out = HashingWriter(self._raw)
+        return self
+
+    def add_chunk(self, key: str, offsets, lengths, tensor: torch.Tensor) -> None:
+        start = self._out.size
+        torchfile.save(tensor.contiguous(), self._out)
+        self.chunks.append(ChunkRecord(key, tuple(offsets), tuple(lengths), self.path, start,
+                                       self._out.size - start))
+
+    def add_bytes(self, key: str, data: bytes) -> None:
+        start = self._out.size
+        self._out.write(data)
+        self.objects.append((key, self.path, start, len(data)))
+
+    def add_object(self, key: str, value: Any) -> None:
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        self.add_bytes(key, buf.getvalue())
+
+    def __exit__(self, *exc):
+        self._out.fsync()
+        self._raw.close()
+        self.digest = (self._out.size, self._out.hexdigest())
+
+
+def write_metadata(store: Store, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                   writers: list[DcpFileWriter]) -> tuple[int, str]:
+    """Write ``.metadata`` for the chunks and objects the writers recorded."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                       Metadata, MetadataIndex, StorageMeta,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    state: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for key, (shape, dtype) in shapes.items():
+        state[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [])
+    for w in writers:
+        for c in w.chunks:
+            entry = state[c.key]
+            entry.chunks.append(ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.lengths)))
+            storage[MetadataIndex(c.key, c.offsets, len(entry.chunks) - 1)] = _StorageInfo(
+                c.file, c.offset, c.length)
+        for key, file, offset, length in w.objects:
+            state[key] = BytesStorageMetadata()
+            storage[MetadataIndex(key)] = _StorageInfo(file, offset, length)
+    meta = Metadata(state_dict_metadata=state, storage_data=storage,
+                    storage_meta=StorageMeta(save_id=f"{SAVE_ID_MARK}{uuid.uuid4()}"), version="1.0.0")
+    import pickle
+
+    with store.open_file(METADATA, "wb") as raw:
+        out = HashingWriter(raw)
+        pickle.dump(meta, out)
+        out.fsync()
+    return out.size, out.hexdigest()
