@@ -201,6 +201,22 @@ def latest(root: str, no_verify: bool, as_json: bool, quiet: bool):
 _SIZE = click.IntRange(min=1)
 
 
+def _rewrite_options(f):
+    """The options reshard and convert share."""
+    for option in reversed([
+        click.option("--true-vocab-size", type=_SIZE,
+                     help="The tokenizer's vocabulary size, if SRC lacks it."),
+        click.option("--workers", default=4, show_default=True, type=_SIZE,
+                     help="Target files written in parallel."),
+        click.option("--dry-run", is_flag=True, help="Print the plan: target files, bytes read and written."),
+        click.option("--overwrite", is_flag=True, help="Replace DST if it exists."),
+        click.option("--drop-optimizer", is_flag=True,
+                     help="Write model weights only when SRC's optimizer state cannot be carried."),
+    ]):
+        f = option(f)
+    return _output_options(f)
+
+
 @cli.command()
 @click.argument("src", metavar="SRC")
 @click.argument("dst", metavar="DST")
@@ -211,13 +227,7 @@ _SIZE = click.IntRange(min=1)
 @click.option("--tp", type=_SIZE, help="Assert the source's TP (read from SRC).")
 @click.option("--pp", type=_SIZE, help="Assert the source's PP.")
 @click.option("--dp", type=_SIZE, help="Assert the source's DP.")
-@click.option("--true-vocab-size", type=_SIZE, help="The tokenizer's vocabulary size, if SRC lacks it.")
-@click.option("--workers", default=4, show_default=True, type=_SIZE, help="Target files written in parallel.")
-@click.option("--dry-run", is_flag=True, help="Print the plan: target files, bytes read and written.")
-@click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
-@click.option("--drop-optimizer", is_flag=True,
-              help="Write model weights only when SRC's optimizer state cannot be carried.")
-@_output_options
+@_rewrite_options
 def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, tp, pp, dp, true_vocab_size, workers, dry_run,
             overwrite, drop_optimizer, as_json, quiet):
     """Rewrite the checkpoint SRC at DST for another TP/PP layout, same format.
@@ -277,13 +287,7 @@ class FormatType(click.ParamType):
 @click.option("--tp", "--to-tp", "tp", type=_SIZE, help="Target tensor-parallel size (default: SRC's).")
 @click.option("--pp", "--to-pp", "pp", type=_SIZE, help="Target pipeline-parallel size.")
 @click.option("--dp", "--to-dp", "dp", type=_SIZE, help="Target data-parallel size.")
-@click.option("--true-vocab-size", type=_SIZE, help="The tokenizer's vocabulary size, if SRC lacks it.")
-@click.option("--workers", default=4, show_default=True, type=_SIZE, help="Target files written in parallel.")
-@click.option("--dry-run", is_flag=True, help="Print the plan: target files, bytes read and written.")
-@click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
-@click.option("--drop-optimizer", is_flag=True,
-              help="Write model weights only when SRC's optimizer state cannot be carried.")
-@_output_options
+@_rewrite_options
 def convert(src, dst, to_format, tp, pp, dp, true_vocab_size, workers, dry_run, overwrite,
             drop_optimizer, as_json, quiet):
     """Write the checkpoint SRC at DST in another format, optionally at another TP/PP.
