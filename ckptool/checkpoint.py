@@ -94,7 +94,7 @@ def merge_manifest(index: CheckpointIndex, manifest: Manifest | None) -> Checkpo
     """Fill what the format itself does not record from the manifest."""
     if manifest is None:
         return index
-    if index.topology is None and manifest.topology:
+    if manifest.topology:  # what ckptool recorded when it wrote the checkpoint wins
         index.topology = Topology.from_dict(manifest.topology)
     if index.model_config is None and manifest.model_config:
         index.model_config = manifest.model_config

@@ -25,6 +25,7 @@ FORMATS = tuple(READERS)
 WRITERS = {
     "megatron": "converters.megatron:MegatronWriter",
     "megatron-dist": "converters.megatron_dist:MegatronDistWriter",
+    "dcp": "converters.dcp:DcpWriter",
 }
 
 # More specific layouts first: a DeepSpeed universal checkpoint also has model-state files,

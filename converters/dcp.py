@@ -9,10 +9,20 @@ DCP keeps: such a checkpoint without ``ckptool.json`` was never committed.
 
 from __future__ import annotations
 
+import re
+import threading
 import uuid
 
-from ckptool.core.dcpfile import METADATA, SAVE_ID_MARK, DcpContainerReader, read_metadata
+from ckptool.core.dcpfile import (METADATA, SAVE_ID_MARK, DcpContainerReader, read_location,
+                                  read_metadata)
+from ckptool.core.dcpwrite import DcpFileWriter, write_metadata
+from ckptool.core.engine import TargetFile, TargetTensor
+from ckptool.core.index import CheckpointIndex, Writer
+from ckptool.core.regions import Region, Shard
 from ckptool.core.storage import Store
+from ckptool.core.topology import Topology
+
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 NAME = "dcp"
 
@@ -23,6 +33,75 @@ class DcpReader(DcpContainerReader):
     @classmethod
     def detect(cls, store: Store) -> bool:
         return store.exists(METADATA) and not store.exists("metadata.json")
+
+    def read_index(self, store: Store) -> CheckpointIndex:
+        index = super().read_index(store)
+        # Plain DCP records no topology: the writer ranks are the data-parallel world.
+        ranks = {m.group(1) for f in index.files if (m := _RANK_FILE.match(f))}
+        index.topology = Topology(dp=max(1, len(ranks)))
+        return index
+
+
+class DcpWriter(Writer):
+    """Regroups a DCP checkpoint for a new world size W = TP x PP x DP: every tensor is cut
+    along dim 0 into W row blocks (as ``torch.chunk``), block r goes to ``__r_0.distcp``,
+    so each target rank reads one file. Non-tensor entries are copied byte for byte."""
+
+    name = NAME
+
+    def __init__(self):
+        self._writers: list[DcpFileWriter] = []
+        self._shapes: dict[str, tuple] = {}
+        self._lock = threading.Lock()
+        self._source = None
+
+    def bind(self, opened) -> None:
+        self._source = opened
+
+    def target_spec(self, index, source, target, true_vocab_size):
+        return None
+
+    def source_schema(self, opened) -> str:
+        return NAME
+
+    def plan(self, index: CheckpointIndex, topo: Topology, spec, schema: str,
+             with_optimizer: bool = True) -> list[TargetFile]:
+        world = topo.world
+        files = [TargetFile(f"__{r}_0.distcp", context={"rank": r}) for r in range(world)]
+        self._shapes = {k: (t.shape, t.dtype) for k, t in index.tensors.items()}
+        for key, info in index.tensors.items():
+            for r, (start, rows) in enumerate(_row_blocks(info.shape, world)):
+                rest = info.shape[1:]
+                region = Region(key, info.shape, (start, *(0,) * len(rest)), (rows, *rest)) \
+                    if info.shape else Region.whole(key, ())
+                files[r].tensors.append(TargetTensor((key, region.offsets, region.lengths),
+                                                     Shard.of(region), info.dtype))
+        return files
+
+    def write_file(self, store: Store, target: TargetFile, produce, index, true_vocab_size):
+        with DcpFileWriter(store, target.path) as w:
+            for t in target.tensors:
+                key, offsets, lengths = t.name
+                w.add_chunk(key, offsets, lengths, produce(t).reshape(lengths))
+            if target.context["rank"] == 0:
+                for key, obj in index.objects.items():
+                    if obj.location is not None:
+                        w.add_bytes(key, read_location(self._source.store, obj.location))
+        with self._lock:
+            self._writers.append(w)
+        return w.digest
+
+    def finalize(self, store: Store, index) -> list[str]:
+        write_metadata(store, self._shapes, self._writers)
+        return [METADATA]
+
+
+def _row_blocks(shape: tuple, world: int) -> list[tuple[int, int]]:
+    """(start, rows) of each rank's block, as torch.chunk cuts dim 0; scalars go to rank 0."""
+    if not shape or shape[0] == 0:
+        return [(0, shape[0] if shape else 1)]
+    step = -(-shape[0] // world)
+    return [(s, min(step, shape[0] - s)) for s in range(0, shape[0], step)]
 
 
 # ---------------------------------------------------------------------------- writing

@@ -27,7 +27,7 @@ import torch
 
 from ckptool.core import VERSION
 from ckptool.core.engine import TargetFile, TargetTensor
-from ckptool.core.errors import BadCheckpoint, UnreadableInput
+from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
 from ckptool.core.index import (CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo,
                                  Writer)
 from ckptool.core.layout import ModelSpec, layout, stage_layers
@@ -365,6 +365,9 @@ class MegatronWriter(Writer):
 
     def target_spec(self, index: CheckpointIndex, source: Topology, target: Topology,
                     true_vocab_size: int | None) -> ModelSpec:
+        if index.model_config is None:
+            raise UsageError("the source does not say what model it holds", path=index.url,
+                             hint="Megatron output needs the model's args")
         return target_spec(index, source, target, true_vocab_size)
 
     def notes(self, index: CheckpointIndex) -> list[str]:

@@ -71,7 +71,7 @@ class DcpContainerReader(Reader):
 
     def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
         loc = piece.location
-        raw = _read_location(store, loc)
+        raw = read_location(store, loc)
         shape = piece.region.local_shape
         if raw[:4] == _ZIP_MAGIC:
             tensor = torch_load(raw, store.display(loc.file))
@@ -95,7 +95,7 @@ class DcpContainerReader(Reader):
     def read_object(self, store: Store, obj: ObjectInfo) -> Any:
         if obj.location is None:
             return obj.value
-        raw = _read_location(store, obj.location)
+        raw = read_location(store, obj.location)
         return torch_load_or_opaque(raw, store.display(obj.location.file))
 
 
@@ -123,7 +123,8 @@ def _location(info) -> Location:
     return Location(info.relative_path, info.offset, info.length, transforms or None)
 
 
-def _read_location(store: Store, loc: Location) -> bytes:
+def read_location(store: Store, loc: Location) -> bytes:
+    """The raw bytes of one stored item (transforms undone); nothing is unpickled."""
     end = loc.offset + loc.length if loc.length is not None else None
     try:
         raw = store.read_bytes(loc.file, loc.offset, end)

@@ -130,6 +130,9 @@ class Writer:
 
     name: str = ""
 
+    def bind(self, opened) -> None:
+        """Called once with the opened source, for writers that copy raw source bytes."""
+
     def target_spec(self, index: CheckpointIndex, source: Topology, target: Topology,
                     true_vocab_size: int | None):
         raise NotImplementedError

@@ -22,7 +22,7 @@ from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifes
 from ckptool.core.storage import atomic_output
 from ckptool.core.topology import Topology
 
-RESHARDABLE = ("megatron", "megatron-dist")
+RESHARDABLE = ("megatron", "megatron-dist", "dcp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +90,8 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
     started = time.perf_counter()
     index = opened.index
     source_topo = index.topology
-    if source_topo is None or index.model_config is None:
-        raise UsageError("the source does not say what model or topology it holds",
+    if source_topo is None:
+        raise UsageError("the source does not say what topology it holds",
                          path=opened.store.url, hint="Its format records no args/config")
     for name, value in (expect or {}).items():
         if value is not None and getattr(source_topo, name) != value:
@@ -108,8 +108,10 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
         raise UsageError(f"the optimizer state cannot be carried: {uncarried}", path=opened.store.url,
                          hint="Pass --drop-optimizer to write the model weights only (resume with "
                               "Megatron's --no-load-optim)")
+    writer.bind(opened)
     spec = writer.target_spec(index, source_topo, target_topo, true_vocab_size)
-    check_layout(spec, target_topo)
+    if spec is not None:
+        check_layout(spec, target_topo)
     plan = writer.plan(index, target_topo, spec, schema=writer.source_schema(opened),
                        with_optimizer=not drop_optimizer)
     result = ReshardResult(
@@ -140,7 +142,8 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
         for rel, (size, digest) in hash_files(out.store, extra).items():
             entries.append(FileEntry(rel, size, digest))
         manifest = Manifest(format=fmt, files=sorted(entries, key=lambda e: e.path),
-                            topology=target_topo.to_dict(), model_config=asdict(spec),
+                            topology=target_topo.to_dict(),
+                            model_config=asdict(spec) if spec is not None else index.model_config,
                             true_vocab_size=true_vocab_size or index.true_vocab_size,
                             iteration=index.iteration, format_version=index.format_version)
         out.commit(lambda store: write_manifest(store, manifest))
