@@ -20,10 +20,11 @@ import torch
 
 from ckptool.core.errors import BadCheckpoint, CkptoolError, UnreadableInput
 from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo
-from ckptool.core.regions import Region
+from ckptool.core.regions import Region, byte_runs
 from ckptool.core.safe_pickle import load_dcp_metadata, torch_load, torch_load_or_opaque
 from ckptool.core.stfile import parse_header
 from ckptool.core.storage import Store
+from ckptool.core.torchfile import TensorRef, TorchFile
 
 METADATA = ".metadata"
 SAVE_ID_MARK = "ckptool-"
@@ -69,7 +70,56 @@ class DcpContainerReader(Reader):
         index.written_by_ckptool = save_id.startswith(SAVE_ID_MARK)
         return index
 
+    def _archive(self, store: Store, piece: Piece) -> TorchFile | None:
+        """The chunk's torch.save archive, read by byte range; None for other encodings."""
+        loc = piece.location
+        if loc.detail or loc.length is None:
+            return None  # transformed (e.g. compressed) chunks are read whole
+        cache = self.__dict__.setdefault("_archives", {})
+        key = (store.url, loc.file, loc.offset)
+        if key not in cache:
+            readers = self.__dict__.setdefault("_readers", {})
+            if (store.url, loc.file) not in readers:
+                try:
+                    readers[(store.url, loc.file)] = store.range_reader(loc.file)
+                except UnreadableInput:
+                    raise BadCheckpoint("data file is missing", path=store.display(loc.file)) from None
+            reader = readers[(store.url, loc.file)]
+            if loc.offset + loc.length > reader.size:
+                raise BadCheckpoint(f"data file is truncated: wanted bytes {loc.offset}.."
+                                    f"{loc.offset + loc.length}, the file has {reader.size}",
+                                    path=store.display(loc.file))
+            if reader(loc.offset, loc.offset + 4) != _ZIP_MAGIC:
+                cache[key] = None
+            else:
+                cache[key] = TorchFile(_Window(reader, loc.offset), loc.length, store.display(loc.file))
+        return cache[key]
+
+    def _ref(self, store: Store, piece: Piece, dtype: torch.dtype):
+        archive = self._archive(store, piece)
+        if archive is None:
+            return None, None
+        ref = archive.obj
+        shape = tuple(piece.region.local_shape)
+        if not isinstance(ref, TensorRef) or ref.shape != shape or ref.dtype != dtype:
+            got = f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__
+            raise BadCheckpoint(f"stored chunk is {got}, metadata says {dtype} {list(shape)}",
+                                path=store.display(piece.location.file), key=piece.region.key)
+        return archive, ref
+
+    def read_box_into(self, store: Store, piece: Piece, dtype: torch.dtype, box, out) -> None:
+        archive, ref = self._ref(store, piece, dtype)
+        if archive is None or not out.is_contiguous():
+            return super().read_box_into(store, piece, dtype, box, out)
+        flat, pos = out.view(-1), 0
+        for start, n in byte_runs(piece.region, box):  # only the overlap, straight into place
+            archive.read_into(ref, start, flat[pos:pos + n])
+            pos += n
+
     def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+        archive, ref = self._ref(store, piece, dtype)
+        if archive is not None:
+            return archive.load(ref)
         loc = piece.location
         raw = read_location(store, loc)
         shape = piece.region.local_shape
@@ -121,6 +171,19 @@ def read_metadata(store: Store):
 def _location(info) -> Location:
     transforms = tuple(getattr(info, "transform_descriptors", None) or ())
     return Location(info.relative_path, info.offset, info.length, transforms or None)
+
+
+class _Window:
+    """Byte ranges of one item inside a ``.distcp`` file, as offsets from the item's start."""
+
+    def __init__(self, reader, base: int):
+        self._reader, self._base = reader, base
+
+    def __call__(self, start: int, end: int) -> bytes:
+        return self._reader(self._base + start, self._base + end)
+
+    def readinto(self, start: int, out) -> int:
+        return self._reader.readinto(self._base + start, out)
 
 
 def read_location(store: Store, loc: Location) -> bytes:
