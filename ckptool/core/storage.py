@@ -183,11 +183,18 @@ class RangeReader:
         return len(data)
 
     def close(self) -> None:
-        if self._fd is not None:
+        if self._fd is not None and self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
         elif self._file is not None:
             self._file.close()
+            self._file = None
+
+    def __del__(self):  # readers are cached by format readers; never leak a descriptor
+        try:
+            self.close()
+        except OSError:
+            pass
 
 
 def _join_url(url: str, rel: str) -> str:
