@@ -214,3 +214,93 @@ def test_deep_verify_checks_replicas_are_equal(llama_tp2, tmp_path, run_cli):
     assert res.code == 1
     assert (f"replica differs from the primary copy ({f}, tensor "
             "'decoder.layers.1.self_attention.linear_qkv.layer_norm_weight')") in res.out
+
+
+# Pre-mcore (Megatron-DeepSpeed style) names, written out by hand here so that the test does not
+# share ckptool's own name table.
+_TO_LEGACY_LAYER = {
+    "input_layernorm": "input_layernorm", "self_attention.linear_qkv": "self_attention.query_key_value",
+    "self_attention.linear_proj": "self_attention.dense", "pre_mlp_layernorm": "post_attention_layernorm",
+    "mlp.linear_fc1": "mlp.dense_h_to_4h", "mlp.linear_fc2": "mlp.dense_4h_to_h",
+}
+
+
+def _to_legacy(model: dict) -> dict:
+    """mcore local-spec state dict -> nested pre-mcore state dict (MHA, checkpoint_version 3)."""
+    out = {"language_model": {"embedding": {}, "encoder": {}}}
+    for k, v in model.items():
+        if k.endswith("_extra_state"):
+            continue
+        if k.startswith("embedding."):
+            _, module, param = k.split(".")
+            out["language_model"]["embedding"][module] = {param: v}
+        elif k.startswith("decoder.layers."):
+            _, _, i, rest = k.split(".", 3)
+            module, param = rest.rsplit(".", 1)
+            out["language_model"]["encoder"][f"layers.{i}.{_TO_LEGACY_LAYER[module]}.{param}"] = v
+        elif k.startswith("decoder.final_layernorm."):
+            out["language_model"]["encoder"][k.removeprefix("decoder.")] = v
+        elif k == "output_layer.weight":
+            out["word_embeddings_for_head"] = {"weight": v}  # the last stage's tied copy
+    return out
+
+
+def _from_legacy(nested: dict, template: dict) -> dict:
+    """The inverse, onto the keys of a real mcore state dict (``template``)."""
+    back = {v: k for k, v in _TO_LEGACY_LAYER.items()}
+    out = {}
+    lm = nested["language_model"]
+    for module, params in lm.get("embedding", {}).items():
+        for p, v in params.items():
+            out[f"embedding.{module}.{p}"] = v
+    for k, v in lm.get("encoder", {}).items():
+        if k.startswith("layers."):
+            _, i, rest = k.split(".", 2)
+            module, param = rest.rsplit(".", 1)
+            out[f"decoder.layers.{i}.{back[module]}.{param}"] = v
+        else:
+            out[f"decoder.{k}"] = v
+    if "word_embeddings_for_head" in nested:
+        out["output_layer.weight"] = nested["word_embeddings_for_head"]["weight"]
+    for k, v in template.items():
+        if k.endswith("_extra_state"):
+            out[k] = v
+    return out
+
+
+def test_pre_mcore_legacy_names_reshard_tp1_to_tp2_pp2(gpt_tp1, tmp_path, run_cli):
+    import shutil
+
+    src, ref = gpt_tp1
+    legacy = tmp_path / "legacy"
+    shutil.copytree(src, legacy)
+    f = legacy / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    template = state["model"]
+    state["model"] = _to_legacy(template)
+    torch.save(state, f)
+    out = tmp_path / "out"
+    res = run_cli("reshard", legacy, out, "--to-tp", 2, "--to-pp", 2)
+    assert res.code == 0, res.err
+    last = torch.load(out / "iter_0000010" / "mp_rank_01_001" / "model_optim_rng.pt", weights_only=False)
+    assert "word_embeddings_for_head" in last["model"]          # legacy names are kept
+    assert "language_model" in last["model"] and "layers.0.self_attention.query_key_value.weight" in \
+        last["model"]["language_model"]["encoder"]
+    # Translate back by hand and load into real mcore stage models at TP2/PP2.
+    mcore = tmp_path / "mcore"
+    shutil.copytree(out, mcore)
+    for g in mcore.rglob("model_optim_rng.pt"):
+        s = torch.load(g, weights_only=False)
+        pp_rank = int(g.parent.name.split("_")[-1])
+        tmpl = {k: None for k in _mcore_keys(pp_rank)}
+        s["model"] = _from_legacy(s["model"], tmpl)
+        torch.save(s, g)
+    assert (H.load_logits(H.GPT, 2, 2, mcore) - ref).abs().max().item() < 1e-5
+
+
+def _mcore_keys(pp_rank: int) -> list[str]:
+    """The _extra_state keys a 2-stage mcore local-spec GPT stage expects (2 layers each)."""
+    keys = [f"decoder.layers.{i}.{m}._extra_state" for i in range(2)
+            for m in ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
+                      "mlp.linear_fc2")]
+    return keys + (["output_layer._extra_state"] if pp_rank == 1 else [])
