@@ -287,9 +287,12 @@ class FormatType(click.ParamType):
 @click.option("--tp", "--to-tp", "tp", type=_SIZE, help="Target tensor-parallel size (default: SRC's).")
 @click.option("--pp", "--to-pp", "pp", type=_SIZE, help="Target pipeline-parallel size.")
 @click.option("--dp", "--to-dp", "dp", type=_SIZE, help="Target data-parallel size.")
+@click.option("--megatron-names", type=click.Choice(["mcore-local", "mcore-te", "legacy"]),
+              help="Tensor names of a megatron target: Megatron-Core local or Transformer Engine "
+                   "spec, or pre-mcore (Megatron-DeepSpeed). Default: the source's, else mcore-local.")
 @_rewrite_options
-def convert(src, dst, to_format, tp, pp, dp, true_vocab_size, workers, dry_run, overwrite,
-            drop_optimizer, as_json, quiet):
+def convert(src, dst, to_format, tp, pp, dp, megatron_names, true_vocab_size, workers, dry_run,
+            overwrite, drop_optimizer, as_json, quiet):
     """Write the checkpoint SRC at DST in another format, optionally at another TP/PP.
 
     --tp/--pp/--dp describe the target (SRC's own layout is read from it).
@@ -302,7 +305,7 @@ def convert(src, dst, to_format, tp, pp, dp, true_vocab_size, workers, dry_run, 
     out = Output(as_json, quiet)
     res = run(src, dst, to_format=to_format, to={"tp": tp, "pp": pp, "dp": dp}, workers=workers,
               dry_run=dry_run, overwrite=overwrite, true_vocab_size=true_vocab_size,
-              drop_optimizer=drop_optimizer)
+              drop_optimizer=drop_optimizer, names=megatron_names)
     _render_rewrite(out, res, "converted")
 
 

@@ -383,11 +383,14 @@ class MegatronWriter(Writer):
         return obj.value if obj else None
 
     def source_schema(self, opened) -> str:
-        obj = opened.index.objects.get(SCHEMA_KEY)
+        obj = opened.index.objects.get(SCHEMA_KEY) if opened.format == NAME else None
         return obj.value if obj else "mcore-local"
 
     def plan(self, index: CheckpointIndex, topo: Topology, spec: ModelSpec,
              schema: str = "mcore-local", with_optimizer: bool = True) -> list[TargetFile]:
+        if schema == "legacy" and spec.groups != spec.num_attention_heads:
+            raise UsageError("pre-mcore (legacy) names cannot express grouped-query attention here",
+                             hint="Use --megatron-names mcore-local or mcore-te")
         it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)
         stages = stage_layers(spec, topo.pp, topo.vpp)
         optim_layout = index.objects.get(OPTIMIZER_LAYOUT_KEY) if with_optimizer else None

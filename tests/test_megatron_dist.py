@@ -96,3 +96,26 @@ def test_reshard_torch_dist_tp2_to_tp4(both, reference_logits, tmp_path, run_cli
                      "common.pt", "metadata.json"]  # one file per target rank
     got = H.load_dist_logits(H.LLAMA, 4, dst)
     assert (got - reference_logits).abs().max().item() < 1e-5
+
+
+def test_convert_to_megatron_with_te_names(both, tmp_path, run_cli):
+    _, dist = both
+    dst = tmp_path / "te"
+    res = run_cli("convert", dist, dst, "--to", "megatron", "--megatron-names", "mcore-te",
+                  "--true-vocab-size", 1000)
+    assert res.code == 0, res.err
+    rank0 = torch.load(dst / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in rank0["model"]
+    # whatever the names, the canonical tensors are the same bits
+    out, src = open_checkpoint(str(dst)), open_checkpoint(str(dist))
+    for key in src.index.tensors:
+        assert torch.equal(_full(out, key), _full(src, key)), key
+
+
+def test_legacy_names_refuse_gqa_before_writing(both, tmp_path, run_cli):
+    _, dist = both
+    dst = tmp_path / "legacy"
+    res = run_cli("convert", dist, dst, "--to", "megatron", "--megatron-names", "legacy",
+                  "--true-vocab-size", 1000)
+    assert res.code == 2 and "cannot express grouped-query attention" in res.err
+    assert not dst.exists()

@@ -72,18 +72,24 @@ def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers
 
 def convert(src: str, dst: str, *, to_format: str, to: dict | None = None, workers: int = 1,
             dry_run: bool = False, overwrite: bool = False, true_vocab_size: int | None = None,
-            drop_optimizer: bool = False,
+            drop_optimizer: bool = False, names: str | None = None,
             progress: Callable[[int], object] | None = None) -> ReshardResult:
-    """Write checkpoint ``src`` at ``dst`` in format ``to_format`` (topology per ``to``)."""
+    """Write checkpoint ``src`` at ``dst`` in format ``to_format`` (topology per ``to``).
+
+    ``names`` picks the target's tensor-name schema where the format has several (Megatron:
+    ``mcore-local``, ``mcore-te``, ``legacy``); by default the source's, else the format's default.
+    """
     opened = open_checkpoint(src)
     return rewrite(opened, dst, to_format, to={k: v for k, v in (to or {}).items() if v is not None},
                    workers=workers, dry_run=dry_run, overwrite=overwrite,
-                   true_vocab_size=true_vocab_size, drop_optimizer=drop_optimizer, progress=progress)
+                   true_vocab_size=true_vocab_size, drop_optimizer=drop_optimizer, names=names,
+                   progress=progress)
 
 
 def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None = None,
             workers: int = 1, dry_run: bool = False, overwrite: bool = False,
             true_vocab_size: int | None = None, drop_optimizer: bool = False,
+            names: str | None = None,
             progress: Callable[[int], object] | None = None) -> ReshardResult:
     """The one path for reshard and convert: plan the target files, fill them region by
     region from the source, commit atomically."""
@@ -112,7 +118,7 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
     spec = writer.target_spec(index, source_topo, target_topo, true_vocab_size)
     if spec is not None:
         check_layout(spec, target_topo)
-    plan = writer.plan(index, target_topo, spec, schema=writer.source_schema(opened),
+    plan = writer.plan(index, target_topo, spec, schema=names or writer.source_schema(opened),
                        with_optimizer=not drop_optimizer)
     result = ReshardResult(
         source=opened.store.url, destination=dst, format=fmt,
