@@ -1,7 +1,8 @@
-"""The in-training async save hook (``AsyncCheckpointer``) and framework adapters.
+"""The in-training save hook: ``AsyncCheckpointer`` (asynchronous, atomic, checksummed DCP).
 
-Not built yet: see issue #4. Until then, ``converters.dcp.save`` writes a committed,
-verifiable DCP checkpoint synchronously.
+The Megatron/DeepSpeed adapters and the tiny TP x PP trainer are still to come (issue #4).
 """
 
-__all__: list[str] = []
+from training.async_checkpointer import AsyncCheckpointer
+
+__all__ = ["AsyncCheckpointer"]

@@ -1,0 +1,124 @@
+"""AsyncCheckpointer: a 4-process gloo job saves DTensor state; plain DCP loads it on 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from tests.conftest import spawn_gloo
+
+
+def _globals():
+    g = torch.Generator().manual_seed(5)
+    return {"w": torch.randn(10, 6, generator=g), "v": torch.randn(7, 4, generator=g),
+            "b": torch.randn(6, generator=g)}
+
+
+def _save(rank, world, root):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from training import AsyncCheckpointer
+
+    mesh = init_device_mesh("cpu", (2, world // 2))
+    t = _globals()
+    ckpt = AsyncCheckpointer(root, keep_last=2, topology={"tp": world // 2, "pp": 1, "dp": 2})
+    for step in (10, 20, 30):
+        scale = float(step)
+        state = {"model": {"w": distribute_tensor(t["w"] * scale, mesh, [Replicate(), Shard(0)]),
+                           "v": distribute_tensor(t["v"] * scale, mesh, [Shard(0), Shard(1)]),
+                           "b": t["b"] * scale},
+                 "step": step, "sched": {"lr": [1e-3 * step]}}
+        ckpt.save(step, state)
+    ckpt.wait()
+
+
+def _load(rank, world, root, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from training import AsyncCheckpointer
+
+    mesh = init_device_mesh("cpu", (world,))
+    t = _globals()
+    state = {"model": {"w": distribute_tensor(torch.zeros_like(t["w"]), mesh, [Shard(1)]),
+                       "v": distribute_tensor(torch.zeros_like(t["v"]), mesh, [Replicate()]),
+                       "b": torch.zeros_like(t["b"])},
+             "step": 0, "sched": {"lr": []}}
+    step = AsyncCheckpointer(root).load_latest(state)
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state["model"].items()}
+    if rank == 0:
+        torch.save({"step": step, "model": full, "state_step": state["step"], "sched": state["sched"]}, out)
+    dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hook") / "run"
+    spawn_gloo(_save, 4, str(root))
+    return root
+
+
+def test_four_rank_async_saves_commit_and_retain(saved, run_cli):
+    names = sorted(p.name for p in saved.iterdir())
+    assert names == ["step_00000020", "step_00000030"]  # keep_last=2, no .tmp- left behind
+    newest = saved / "step_00000030"
+    assert sorted(p.name for p in newest.iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "ckptool.json"]
+    res = run_cli("verify", newest, "--deep")
+    assert res.code == 0 and "committed" in res.out, res.out + res.err
+    manifest = json.loads((newest / "ckptool.json").read_text())
+    assert manifest["iteration"] == 30 and manifest["topology"]["dp"] == 2
+    assert run_cli("latest", saved).out.strip() == str(newest)
+
+
+def test_two_rank_job_loads_other_placements_exactly(saved, tmp_path):
+    out = tmp_path / "loaded.pt"
+    spawn_gloo(_load, 2, str(saved), str(out))
+    got = torch.load(out)
+    t = _globals()
+    assert got["step"] == 30 and got["state_step"] == 30 and got["sched"] == {"lr": [0.03]}
+    for k in ("w", "v", "b"):
+        assert torch.equal(got["model"][k], t[k] * 30.0), k
+
+
+def test_plain_dcp_load_reads_the_hook_output(saved):
+    t = _globals()
+    state = {"model": {k: torch.zeros_like(v) for k, v in t.items()}}
+    dcp.load(state, checkpoint_id=str(saved / "step_00000020"))
+    for k in t:
+        assert torch.equal(state["model"][k], t[k] * 20.0), k
+
+
+class _FullDisk(Exception):
+    pass
+
+
+def test_failed_write_raises_on_wait_and_commits_nothing(tmp_path, monkeypatch):
+    from ckptool.core import dcpwrite
+    from training import AsyncCheckpointer
+
+    ckpt = AsyncCheckpointer(str(tmp_path / "run"), keep_last=3)
+    ckpt.save(1, {"w": torch.ones(4)})
+    ckpt.wait()
+    original = dcpwrite.DcpFileWriter.add_chunk
+
+    def failing(self, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dcpwrite.DcpFileWriter, "add_chunk", failing)
+    ckpt.save(2, {"w": torch.ones(4) * 2})
+    with pytest.raises(OSError, match="not committed: rank 0: OSError.*No space left on device"):
+        ckpt.wait()
+    monkeypatch.setattr(dcpwrite.DcpFileWriter, "add_chunk", original)
+    import ckptool
+
+    assert ckptool.latest(str(tmp_path / "run")).path.endswith("step_00000001")
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["step_00000001"]  # no partial left
+    state = {"w": torch.zeros(4)}
+    assert AsyncCheckpointer(str(tmp_path / "run")).load_latest(state) == 1
+    assert torch.equal(state["w"], torch.ones(4))

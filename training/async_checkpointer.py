@@ -1,0 +1,277 @@
+"""``AsyncCheckpointer``: save without stalling training; commit only what is whole.
+
+``save(step, state)`` copies this rank's shards into host buffers that are reused from
+save to save (the only stall), then returns. A background thread writes the rank's DCP
+file (hashing while writing, then fsync) into ``step_XXXXXXXX.tmp-<id>/`` under the run
+root. The ranks then agree over a gloo side group, never the training process group:
+when every rank's data is durable, rank 0 writes ``.metadata`` and ``ckptool.json`` last
+and renames the directory into place. A failed write on any rank commits nothing and is
+raised by the next ``save()`` or ``wait()``. The result is a plain DCP checkpoint:
+``torch.distributed.checkpoint.load`` reads it at any world size.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptool.core.dcpwrite import ChunkRecord, DcpFileWriter, write_metadata
+from ckptool.core.manifest import FileEntry, Manifest, write_manifest
+from ckptool.core.storage import Store, is_temporary
+
+logger = logging.getLogger(__name__)
+
+STEP_DIR = "step_{:08d}"
+
+
+@dataclass
+class _Chunk:
+    key: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    host: torch.Tensor
+
+
+@dataclass
+class _RankResult:
+    """What one rank reports to rank 0 after writing (or failing)."""
+
+    error: str | None
+    file: str | None = None
+    size: int = 0
+    digest: str = ""
+    chunks: list | None = None
+    objects: list | None = None
+    shapes: dict | None = None
+
+
+class AsyncCheckpointer:
+    """Asynchronous, atomic, checksummed DCP checkpoints under ``root`` (a path or fsspec URL)."""
+
+    def __init__(self, root: str, keep_last: int = 3, process_group=None, *,
+                 topology: dict | None = None, model_config: dict | None = None):
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be at least 1 (or None to keep everything)")
+        self.root = Store.open(str(root))
+        self.keep_last = keep_last
+        self.topology, self.model_config = topology, model_config
+        self._pg = process_group
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._rank = dist.get_rank(process_group) if self._distributed else 0
+        self._world = dist.get_world_size(process_group) if self._distributed else 1
+        ranks = dist.get_process_group_ranks(process_group) if self._distributed and process_group \
+            else None
+        # Coordination runs on its own gloo group so the training group (NCCL) never blocks.
+        self._side = dist.new_group(ranks=ranks, backend="gloo") if self._distributed else None
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_committed: str | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    def save(self, step: int, state: dict) -> None:
+        """Stage this rank's shards in host memory and return; writing continues behind."""
+        self.wait()
+        chunks, objects = self._stage(state)
+        name = self._agree(f"{STEP_DIR.format(step)}.tmp-{uuid.uuid4().hex[:12]}")
+        self._thread = threading.Thread(target=self._write, args=(step, name, chunks, objects),
+                                        name="ckptool-async-save", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the last save is committed; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def load_latest(self, state: dict) -> int | None:
+        """Fill ``state`` in place from the newest checkpoint that verifies; its step, or None."""
+        import torch.distributed.checkpoint as dcp
+
+        from ckptool.core.errors import NoCheckpoint
+        from ckptool.ops.latest import latest
+
+        path = None
+        if self._rank == 0:
+            try:
+                path = latest(self.root.url).path
+            except NoCheckpoint:
+                path = None
+        path = self._broadcast(path)
+        if path is None:
+            return None
+        dcp.load(state, checkpoint_id=path, process_group=self._pg)
+        from ckptool.core.manifest import read_manifest
+
+        manifest = read_manifest(Store.open(path))
+        return manifest.iteration if manifest else None
+
+    # ------------------------------------------------------------------ staging
+
+    def _stage(self, state: dict) -> tuple[list[_Chunk], dict[str, Any]]:
+        chunks, objects = [], {}
+        for key, value in _flatten(state).items():
+            if isinstance(value, torch.Tensor):
+                local, shape, offsets, writes = _local_chunk(value, self._rank)
+                if not writes:
+                    continue
+                buf = self._buffers.get((key, tuple(local.shape), local.dtype))
+                if buf is None:
+                    buf = torch.empty(local.shape, dtype=local.dtype,
+                                      pin_memory=local.is_cuda and torch.cuda.is_available())
+                    self._buffers[(key, tuple(local.shape), local.dtype)] = buf
+                buf.copy_(local.detach(), non_blocking=local.is_cuda)
+                chunks.append(_Chunk(key, shape, offsets, buf))
+            elif self._rank == 0:  # non-tensors are replicated: rank 0 keeps them (as DCP does)
+                data = io.BytesIO()
+                torch.save(value, data)
+                objects[key] = data.getvalue()
+        if any(c.host.is_pinned() for c in chunks):
+            torch.cuda.synchronize()
+        return chunks, objects
+
+    # ------------------------------------------------------------------ writing
+
+    def _write(self, step: int, name: str, chunks: list[_Chunk], objects: dict[str, bytes]) -> None:
+        result = _RankResult(error=None)
+        tmp = self.root.child(name)
+        try:
+            tmp.fs.makedirs(tmp.root, exist_ok=True)
+            with DcpFileWriter(tmp, f"__{self._rank}_0.distcp") as w:
+                for c in chunks:
+                    w.add_chunk(c.key, c.offsets, tuple(c.host.shape), c.host)
+                for key, data in objects.items():
+                    w.add_bytes(key, data)
+            result = _RankResult(None, w.path, w.digest[0], w.digest[1],
+                                 [vars(c) for c in w.chunks], w.objects,
+                                 {c.key: (c.global_shape, c.host.dtype) for c in chunks})
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank, raised on wait()
+            result = _RankResult(f"rank {self._rank}: {type(exc).__name__}: {exc}")
+        try:
+            results = self._gather(result)
+            committed = None
+            if self._rank == 0:
+                committed = self._commit(step, name, results)
+            committed = self._broadcast(committed)
+            if committed is None or committed.startswith("error:"):
+                raise OSError(f"checkpoint at step {step} was not committed: "
+                              f"{(committed or 'error: unknown')[len('error: '):]}")
+            self.last_committed = committed
+        except BaseException as exc:  # noqa: BLE001
+            self._error = exc
+
+    def _commit(self, step: int, name: str, results: list[_RankResult]) -> str:
+        failed = [r.error for r in results if r.error]
+        tmp = self.root.child(name)
+        if failed:  # every rank has stopped writing: the partial directory can go
+            try:
+                tmp.fs.rm(tmp.root, recursive=True)
+            except OSError:
+                pass
+            return "error: " + "; ".join(failed)
+        try:
+            shapes, writers = {}, []
+            for r in results:
+                shapes.update(r.shapes)
+                writers.append(_Recorded(r.file, [ChunkRecord(**c) for c in r.chunks], r.objects))
+            size, digest = write_metadata(tmp, shapes, writers)
+            from ckptool.core.dcpfile import METADATA
+
+            files = [FileEntry(r.file, r.size, r.digest) for r in results] + \
+                [FileEntry(METADATA, size, digest)]
+            manifest = Manifest(format="dcp", files=sorted(files, key=lambda f: f.path),
+                                format_version="1.0.0", iteration=step, topology=self.topology,
+                                model_config=self.model_config)
+            write_manifest(tmp, manifest)
+            final = self.root.child(STEP_DIR.format(step))
+            if final.exists():
+                final.fs.rm(final.root, recursive=True)
+            if tmp.is_local:
+                os.rename(tmp.root, final.root)
+            else:  # object stores: the manifest already is the commit marker
+                final = tmp
+            self._retain(final)
+            logger.info("[rank %s] committed %s", self._rank, final.url)
+            return final.url
+        except BaseException as exc:  # noqa: BLE001
+            return f"error: rank 0 commit: {type(exc).__name__}: {exc}"
+
+    def _retain(self, newest: Store) -> None:
+        """Delete committed checkpoints older than the ``keep_last`` newest; never others."""
+        if not self.keep_last:
+            return
+        from ckptool.checkpoint import candidates
+
+        committed = [c for c in candidates(self.root) if not c.temporary
+                     and c.store.exists("ckptool.json")]
+        for cand in committed[self.keep_last:]:
+            if cand.store.url != newest.url and not is_temporary(cand.store.name):
+                cand.store.fs.rm(cand.store.root, recursive=True)
+
+    # ------------------------------------------------------------------ coordination
+
+    def _agree(self, value: str) -> str:
+        return self._broadcast(value)
+
+    def _broadcast(self, value):
+        if not self._distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._side, 0)
+                                   if self._pg is not None else 0, group=self._side)
+        return box[0]
+
+    def _gather(self, result: _RankResult) -> list[_RankResult]:
+        if not self._distributed:
+            return [result]
+        out = [None] * self._world
+        dist.all_gather_object(out, result, group=self._side)
+        return out
+
+
+@dataclass
+class _Recorded:
+    path: str
+    chunks: list
+    objects: list
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts to DCP's dotted keys (what ``dcp.load`` flattens a target state to)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out = {}
+    for k, v in tree.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _local_chunk(value: torch.Tensor, rank: int):
+    """(local tensor, global shape, global offsets, whether this rank writes it)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # older torch
+        from torch.distributed._tensor import DTensor
+    if isinstance(value, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
+                                                           value.placements)
+        coord = value.device_mesh.get_coordinate() or []
+        # Among ranks holding the same replica, only the one at coordinate 0 of every
+        # replicated mesh dimension writes.
+        writes = all(c == 0 for c, p in zip(coord, value.placements) if p.is_replicate())
+        return value.to_local(), tuple(value.shape), tuple(offsets), writes
+    return value, tuple(value.shape), (0,) * value.dim(), rank == 0
