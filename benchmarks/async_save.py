@@ -1,0 +1,99 @@
+"""How long a save stalls training: AsyncCheckpointer against torch.save, dcp.save and
+dcp.async_save, on the same >= 1 GB state in the same run; and the background write
+throughput against `dd conv=fdatasync` on the same disk.
+
+    python benchmarks/async_save.py [--size-gb 1.0] [--dir DIR]
+
+"Blocking" is the time until the call returns (training could continue). For the async
+ones the time until the checkpoint is durable is measured too (wait()/future.result()).
+Targets: AsyncCheckpointer blocking <= dcp.async_save's and <= 1/10 of dcp.save's;
+background throughput >= 80% of dd's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+warnings.filterwarnings("ignore")
+
+from training import AsyncCheckpointer  # noqa: E402
+
+
+def make_state(size_gb: float) -> dict:
+    n = 16
+    rows = int(size_gb * (1 << 30) / 4 / n / 4096)
+    g = torch.Generator().manual_seed(0)
+    return {"model": {f"layers.{i}.weight": torch.randn(rows, 4096, generator=g) for i in range(n)},
+            "step": 100}
+
+
+def main() -> None:
+    import torch.distributed.checkpoint as dcp
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-gb", type=float, default=1.0)
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="ckptool-async-bench-", dir=args.dir))
+    try:
+        state = make_state(args.size_gb)
+        nbytes = sum(t.numel() * 4 for t in state["model"].values())
+        gb = nbytes / 1e9
+        rows = []
+
+        t = time.perf_counter()
+        torch.save(state, base / "torch.pt")
+        rows.append(("torch.save (sync)", time.perf_counter() - t, None))
+
+        t = time.perf_counter()
+        dcp.save(state, checkpoint_id=str(base / "dcp_sync"))
+        rows.append(("dcp.save (sync)", time.perf_counter() - t, None))
+
+        t = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=str(base / "dcp_async"))
+        blocked = time.perf_counter() - t
+        fut.result()
+        rows.append(("dcp.async_save", blocked, time.perf_counter() - t))
+
+        ckpt = AsyncCheckpointer(str(base / "run"), keep_last=2)
+        ckpt.save(1, state)  # first save allocates the host buffers
+        ckpt.wait()
+        t = time.perf_counter()
+        ckpt.save(2, state)
+        blocked = time.perf_counter() - t
+        ckpt.wait()
+        total = time.perf_counter() - t
+        rows.append(("AsyncCheckpointer.save", blocked, total))
+
+        dd_file = base / "dd.bin"
+        t = time.perf_counter()
+        subprocess.run(["dd", "if=/dev/zero", f"of={dd_file}", "bs=8M", f"count={max(1, nbytes >> 23)}",
+                        "conv=fdatasync"], check=True, capture_output=True)
+        dd = time.perf_counter() - t
+
+        print(f"state: {gb:.2f} GB in {len(state['model'])} tensors (CPU)")
+        print(f"{'what':<26}{'blocking s':>11}{'durable s':>11}")
+        for name, b, d in rows:
+            print(f"{name:<26}{b:>11.3f}{(d if d is not None else b):>11.3f}")
+        ours = rows[-1]
+        print(f"AsyncCheckpointer blocking / dcp.async_save blocking = {ours[1] / rows[2][1]:.2f} "
+              f"(target <= 1)")
+        print(f"AsyncCheckpointer blocking / dcp.save = {ours[1] / rows[1][1]:.3f} (target <= 0.1)")
+        print(f"background write {gb / ours[2]:.2f} GB/s vs dd conv=fdatasync {gb / dd:.2f} GB/s: "
+              f"{dd / ours[2]:.0%} (target >= 80%; includes hashing, fsync and the commit)")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
