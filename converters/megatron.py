@@ -89,7 +89,6 @@ class _RankFile:
     tp: int
     pp: int
     rel: str
-    data: dict
 
 
 class MegatronReader(Reader):
@@ -132,7 +131,7 @@ class MegatronReader(Reader):
                 raise UnreadableInput("expert-parallel Megatron checkpoints are not supported yet",
                                       path=store.display(f"{base}/{name}" if base else name))
             rel = f"{base}/{name}/{FILE}" if base else f"{name}/{FILE}"
-            files.append(_RankFile(int(m.group(1)), int(m.group(2) or 0), rel, {}))
+            files.append(_RankFile(int(m.group(1)), int(m.group(2) or 0), rel))
         if not files:
             raise BadCheckpoint("no rank directories", path=store.display(base))
         return sorted(files, key=lambda f: (f.pp, f.tp))

@@ -70,12 +70,6 @@ def fill_tensor(t: TargetTensor, index: CheckpointIndex, read_box: ReadBox,
     return buf
 
 
-def fill(target: TargetFile, index: CheckpointIndex, read_box: ReadBox,
-         pad_value: float = 0.0) -> dict[Any, torch.Tensor]:
-    """Every tensor of ``target`` (all in memory: for tests and small files)."""
-    return {t.name: fill_tensor(t, index, read_box, pad_value) for t in target.tensors}
-
-
 def bytes_read(targets: list[TargetFile], index: CheckpointIndex) -> int:
     """How many source bytes the plan reads (the overlaps, not whole pieces)."""
     total = 0

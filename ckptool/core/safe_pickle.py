@@ -13,7 +13,6 @@ objects that are only carried along, the bytes are kept opaque (:class:`Opaque`)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import pickle
 import posixpath
@@ -34,10 +33,6 @@ def trust_pickle(value: bool) -> None:
     """Allow full unpickling (arbitrary code) for this process. Off by default."""
     global _TRUST
     _TRUST = bool(value)
-
-
-def pickle_trusted() -> bool:
-    return _TRUST
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,14 +204,3 @@ def torch_load_or_opaque(data: bytes, source: str) -> Any:
         return torch_load(data, source)
     except UnsafePickle as exc:
         return Opaque(bytes(data), exc.message)
-
-
-@contextlib.contextmanager
-def trusted(value: bool = True):
-    """Temporarily change the trust setting (tests, and the CLI's --trust-pickle)."""
-    global _TRUST
-    old, _TRUST = _TRUST, value
-    try:
-        yield
-    finally:
-        _TRUST = old

@@ -20,7 +20,6 @@ from ckptool.core.errors import UsageError, UnsupportedFormat
 from ckptool.core.layout import check as check_layout
 from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifest
 from ckptool.core.storage import atomic_output
-from ckptool.core.topology import Topology
 
 RESHARDABLE = ("megatron", "megatron-dist", "dcp")
 
@@ -159,8 +158,4 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
     return replace(result, destination=out.final.url, seconds=time.perf_counter() - started)
 
 
-def parse_to(tp=None, pp=None, dp=None, zero=None, vpp=None) -> dict:
-    return {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "vpp": vpp}
-
-
-__all__ = ["reshard", "convert", "rewrite", "ReshardResult", "PlannedFile", "Topology"]
+__all__ = ["reshard", "convert", "rewrite", "ReshardResult", "PlannedFile"]
