@@ -105,10 +105,14 @@ def merge_manifest(index: CheckpointIndex, manifest: Manifest | None) -> Checkpo
     return index
 
 
-def open_checkpoint(url: str | Store) -> Opened:
+def open_checkpoint(url: str | Store, **reader_options) -> Opened:
+    """Open a checkpoint; ``reader_options`` (None values ignored) go to its format's reader."""
     store = url if isinstance(url, Store) else resolve(url)
     fmt = converters.require_format(store)
     manifest = read_manifest(store)
     reader = converters.reader(fmt)
+    options = {k: v for k, v in reader_options.items() if v is not None}
+    if options:
+        reader.configure(**options)
     index = merge_manifest(reader.read_index(store), manifest)
     return Opened(store, fmt, reader, manifest, index)

@@ -261,11 +261,27 @@ def _render_rewrite(out: Output, res, verb: str) -> None:
              f"  {len(res.files)} files, read {_size(res.bytes_read)}, write {_size(res.bytes_written)}"
              + ("" if res.dry_run else f", {res.seconds:.1f}s")]
     if res.dropped:
-        lines.append(f"  left out on request: {res.dropped}")
+        lines.append(f"  left out: {res.dropped}")
     lines += [f"  note: {n}" for n in res.notes]
     if res.dry_run:
         lines += [f"  {f.path}  {_size(f.bytes)}" for f in res.files]
     out.result(res, "\n".join(lines))
+
+
+class ByteSize(click.ParamType):
+    """``5GB``, ``500MB``, ``64KiB`` or plain bytes (decimal units as in Hugging Face)."""
+
+    name = "size"
+    _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+    def convert(self, value, param, ctx):
+        import re
+
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(value).upper())
+        if not m or m.group(2) not in self._UNITS or float(m.group(1)) <= 0:
+            self.fail(f"{value!r} is not a size such as 5GB or 500MB", param, ctx)
+        return int(float(m.group(1)) * self._UNITS[m.group(2)])
 
 
 class FormatType(click.ParamType):
@@ -290,9 +306,14 @@ class FormatType(click.ParamType):
 @click.option("--megatron-names", type=click.Choice(["mcore-local", "mcore-te", "legacy"]),
               help="Tensor names of a megatron target: Megatron-Core local or Transformer Engine "
                    "spec, or pre-mcore (Megatron-DeepSpeed). Default: the source's, else mcore-local.")
+@click.option("--model-family", type=click.Choice(["llama", "gpt2"]),
+              help="Hugging Face model family, when config.json or the model does not say.")
+@click.option("--max-shard-size", type=ByteSize(), help="hf: largest safetensors file, e.g. 5GB, 500MB.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
+              help="hf: dtype of the written weights (default: the source's).")
 @_rewrite_options
-def convert(src, dst, to_format, tp, pp, dp, megatron_names, true_vocab_size, workers, dry_run,
-            overwrite, drop_optimizer, as_json, quiet):
+def convert(src, dst, to_format, tp, pp, dp, megatron_names, model_family, max_shard_size, dtype,
+            true_vocab_size, workers, dry_run, overwrite, drop_optimizer, as_json, quiet):
     """Write the checkpoint SRC at DST in another format, optionally at another TP/PP.
 
     --tp/--pp/--dp describe the target (SRC's own layout is read from it).
@@ -305,7 +326,8 @@ def convert(src, dst, to_format, tp, pp, dp, megatron_names, true_vocab_size, wo
     out = Output(as_json, quiet)
     res = run(src, dst, to_format=to_format, to={"tp": tp, "pp": pp, "dp": dp}, workers=workers,
               dry_run=dry_run, overwrite=overwrite, true_vocab_size=true_vocab_size,
-              drop_optimizer=drop_optimizer, names=megatron_names)
+              drop_optimizer=drop_optimizer, names=megatron_names, model_family=model_family,
+              options={"max_shard_size": max_shard_size, "dtype": dtype})
     _render_rewrite(out, res, "converted")
 
 

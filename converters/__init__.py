@@ -26,6 +26,7 @@ WRITERS = {
     "megatron": "converters.megatron:MegatronWriter",
     "megatron-dist": "converters.megatron_dist:MegatronDistWriter",
     "dcp": "converters.dcp:DcpWriter",
+    "hf": "converters.hf:HfWriter",
 }
 
 # More specific layouts first: a DeepSpeed universal checkpoint also has model-state files,

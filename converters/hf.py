@@ -1,26 +1,492 @@
 """Hugging Face checkpoints: ``config.json`` + ``model.safetensors``, or sharded
 ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``.
+
+One table per model family says which regions of the canonical (Megatron-Core) global
+tensors each HF tensor holds, in the HF tensor's row order; the reader and the writer
+both use it, so a quirk is written once:
+
+* Llama family (``LlamaForCausalLM``; Mistral is the same schema): Megatron's fused QKV is
+  grouped per query group ``[q_1..q_{nh/ng}, k, v]``, so ``q_proj`` is ``ng`` row blocks
+  of it, ``k_proj`` and ``v_proj`` one block per group; ``gate_proj``/``up_proj`` are the
+  halves of ``linear_fc1``. RoPE is the same (non-interleaved) rotation in both.
+* GPT-2 (``GPT2LMHeadModel``): ``Conv1D`` weights are stored transposed (``[in, out]``);
+  ``c_attn`` is ``[q; k; v]`` over all heads, not per head; the head is tied to ``wte``;
+  positions are learned.
+
+Vocabulary rule: the HF model gets the true vocabulary size (``--true-vocab-size``, or
+what the source records). When the true size is unknown, it gets every stored row (the
+source's padded size), so a real row is never dropped; ``config.json`` then says so.
+Reading never loads a whole file: each piece is a byte range of one safetensors tensor.
 """
 
 from __future__ import annotations
 
-from ckptool.core.index import Reader
+import json
+import math
+import threading
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from ckptool.core.engine import TargetFile, TargetTensor
+from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
+from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo, Writer
+from ckptool.core.layout import FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, ModelSpec
+from ckptool.core.manifest import HashingWriter
+from ckptool.core.regions import Region, Shard
+from ckptool.core.stfile import NAMES as ST_DTYPES
+from ckptool.core.stfile import parse_header
 from ckptool.core.storage import Store
+from ckptool.core.topology import Topology
 
 NAME = "hf"
 CONFIG = "config.json"
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
-                "pytorch_model.bin", "pytorch_model.bin.index.json")
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+WEIGHT_FILES = (SINGLE, INDEX, "pytorch_model.bin", "pytorch_model.bin.index.json")
+CONFIG_KEY = "hf.config"
+FAMILIES = ("llama", "gpt2")
+_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "gpt2": "gpt2"}
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+# --------------------------------------------------------------------------- the tables
+
+
+@dataclass(frozen=True, slots=True)
+class HfTensor:
+    """One HF tensor: its name, and the canonical regions it holds in its row order.
+
+    ``shape`` is the row-order (Linear, ``[out, in]``) shape; with ``transposed`` the file
+    stores its transpose (GPT-2 ``Conv1D``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    parts: tuple[tuple[int, Region], ...]
+    transposed: bool = False
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.shape)) if self.transposed else self.shape
+
+    @property
+    def shard(self) -> Shard:
+        return Shard(self.shape, self.parts)
+
+
+def _rows(key: str, shape: tuple[int, ...], blocks: list[tuple[int, int]]) -> tuple:
+    """Row blocks ``(start, count)`` of global tensor ``key``, laid one after another."""
+    row = math.prod(shape[1:])
+    parts, at = [], 0
+    for start, count in blocks:
+        parts.append((at * row, Region(key, shape, (start, *(0,) * (len(shape) - 1)),
+                                       (count, *shape[1:]))))
+        at += count
+    return tuple(parts)
+
+
+def _whole(name: str, key: str, shape: tuple[int, ...], transposed: bool = False) -> HfTensor:
+    return HfTensor(name, shape, ((0, Region.whole(key, shape)),), transposed)
+
+
+def _qkv_blocks(spec: ModelSpec, which: str, grouped_output: bool) -> list[tuple[int, int]]:
+    """Rows of Megatron's grouped QKV holding q, k or v, in the HF tensor's order."""
+    d, ng = spec.head_dim, spec.groups
+    per = spec.num_attention_heads // ng
+    group_rows = (per + 2) * d
+    first, count = {"q": (0, per * d), "k": (per * d, d), "v": ((per + 1) * d, d)}[which]
+    return [(g * group_rows + first, count) for g in range(ng)]
+
+
+def family_of(spec: ModelSpec) -> str:
+    """The HF family that can express ``spec``, or a UsageError naming what does not fit."""
+    if spec.swiglu and spec.normalization == "RMSNorm" and not spec.learned_positions \
+            and not spec.add_bias:
+        return "llama"
+    if not spec.swiglu and spec.normalization == "LayerNorm" and spec.learned_positions \
+            and spec.add_bias and spec.tied_embeddings and spec.groups == spec.num_attention_heads:
+        return "gpt2"
+    raise UsageError(
+        f"no Hugging Face family fits this model (swiglu={spec.swiglu}, normalization="
+        f"{spec.normalization}, learned positions={spec.learned_positions}, bias={spec.add_bias}, "
+        f"tied={spec.tied_embeddings}, query groups={spec.groups}/{spec.num_attention_heads} heads)",
+        hint="Supported: llama (RMSNorm, SwiGLU, RoPE, no bias) and gpt2 (LayerNorm, GELU, "
+             "learned positions, bias, tied)")
+
+
+def hf_tensors(spec: ModelSpec, family: str, vocab: int) -> list[HfTensor]:
+    """Every tensor of the HF model, with the canonical regions it holds."""
+    h, rows = spec.hidden_size, spec.global_vocab_rows
+    emb_shape = (rows, h)
+    out = []
+    if family == "llama":
+        out.append(HfTensor("model.embed_tokens.weight", (vocab, h),
+                            _rows(WORD_EMBEDDINGS, emb_shape, [(0, vocab)])))
+        for i in range(spec.num_layers):
+            p, m = f"decoder.layers.{i}.", f"model.layers.{i}."
+            qkv = (p + "self_attention.linear_qkv.weight",
+                   ((spec.num_attention_heads + 2 * spec.groups) * spec.head_dim, h))
+            fc1 = (p + "mlp.linear_fc1.weight", (2 * spec.ffn, h))
+            out += [
+                _whole(m + "input_layernorm.weight", p + "self_attention.linear_qkv.layer_norm_weight", (h,)),
+                *[HfTensor(m + f"self_attn.{x}_proj.weight",
+                           (sum(n for _, n in _qkv_blocks(spec, x, True)), h),
+                           _rows(*qkv, _qkv_blocks(spec, x, True))) for x in "qkv"],
+                _whole(m + "self_attn.o_proj.weight", p + "self_attention.linear_proj.weight",
+                       (h, spec.num_attention_heads * spec.head_dim)),
+                _whole(m + "post_attention_layernorm.weight", p + "mlp.linear_fc1.layer_norm_weight", (h,)),
+                HfTensor(m + "mlp.gate_proj.weight", (spec.ffn, h), _rows(*fc1, [(0, spec.ffn)])),
+                HfTensor(m + "mlp.up_proj.weight", (spec.ffn, h), _rows(*fc1, [(spec.ffn, spec.ffn)])),
+                _whole(m + "mlp.down_proj.weight", p + "mlp.linear_fc2.weight", (h, spec.ffn)),
+            ]
+        out.append(_whole("model.norm.weight", f"{FINAL_NORM}.weight", (h,)))
+        if not spec.tied_embeddings:
+            out.append(HfTensor("lm_head.weight", (vocab, h), _rows(OUTPUT_LAYER, emb_shape, [(0, vocab)])))
+        return out
+    if family == "gpt2":
+        out += [HfTensor("transformer.wte.weight", (vocab, h), _rows(WORD_EMBEDDINGS, emb_shape, [(0, vocab)])),
+                _whole("transformer.wpe.weight", POSITION_EMBEDDINGS, (spec.max_position_embeddings, h))]
+        d, nh = spec.head_dim, spec.num_attention_heads
+        # c_attn is [q; k; v] over all heads; Megatron groups per head: [q_g, k_g, v_g].
+        qkv_blocks = [(g * 3 * d + j * d, d) for j in range(3) for g in range(nh)]
+        for i in range(spec.num_layers):
+            p, m = f"decoder.layers.{i}.", f"transformer.h.{i}."
+            qkv_w = (p + "self_attention.linear_qkv.weight", (3 * nh * d, h))
+            qkv_b = (p + "self_attention.linear_qkv.bias", (3 * nh * d,))
+            out += [
+                _whole(m + "ln_1.weight", p + "self_attention.linear_qkv.layer_norm_weight", (h,)),
+                _whole(m + "ln_1.bias", p + "self_attention.linear_qkv.layer_norm_bias", (h,)),
+                HfTensor(m + "attn.c_attn.weight", qkv_w[1], _rows(*qkv_w, qkv_blocks), transposed=True),
+                HfTensor(m + "attn.c_attn.bias", qkv_b[1], _rows(*qkv_b, qkv_blocks)),
+                _whole(m + "attn.c_proj.weight", p + "self_attention.linear_proj.weight", (h, nh * d), True),
+                _whole(m + "attn.c_proj.bias", p + "self_attention.linear_proj.bias", (h,)),
+                _whole(m + "ln_2.weight", p + "mlp.linear_fc1.layer_norm_weight", (h,)),
+                _whole(m + "ln_2.bias", p + "mlp.linear_fc1.layer_norm_bias", (h,)),
+                _whole(m + "mlp.c_fc.weight", p + "mlp.linear_fc1.weight", (spec.ffn, h), True),
+                _whole(m + "mlp.c_fc.bias", p + "mlp.linear_fc1.bias", (spec.ffn,)),
+                _whole(m + "mlp.c_proj.weight", p + "mlp.linear_fc2.weight", (h, spec.ffn), True),
+                _whole(m + "mlp.c_proj.bias", p + "mlp.linear_fc2.bias", (h,)),
+            ]
+        out += [_whole("transformer.ln_f.weight", f"{FINAL_NORM}.weight", (h,)),
+                _whole("transformer.ln_f.bias", f"{FINAL_NORM}.bias", (h,))]
+        return out
+    raise UsageError(f"unknown model family {family!r}", hint=f"Use one of {', '.join(FAMILIES)}")
+
+
+# --------------------------------------------------------------------------- config.json
+
+
+def spec_from_config(config: dict, family: str) -> ModelSpec:
+    """The model an HF ``config.json`` describes."""
+    try:
+        if family == "llama":
+            heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            kv = int(config.get("num_key_value_heads") or heads)
+            return ModelSpec(
+                num_layers=int(config["num_hidden_layers"]), hidden_size=hidden,
+                num_attention_heads=heads, vocab_size=int(config["vocab_size"]),
+                num_query_groups=kv if kv != heads else None,
+                ffn_hidden_size=int(config["intermediate_size"]),
+                kv_channels=int(config.get("head_dim") or hidden // heads), swiglu=True,
+                tied_embeddings=bool(config.get("tie_word_embeddings", False)), add_bias=False,
+                normalization="RMSNorm", learned_positions=False,
+                max_position_embeddings=int(config.get("max_position_embeddings") or 0),
+                norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
+                rotary_base=float(_rope_theta(config)))
+        hidden = int(config["n_embd"])
+        act = config.get("activation_function", "gelu_new")
+        return ModelSpec(
+            num_layers=int(config["n_layer"]), hidden_size=hidden,
+            num_attention_heads=int(config["n_head"]), vocab_size=int(config["vocab_size"]),
+            ffn_hidden_size=int(config.get("n_inner") or 4 * hidden), swiglu=False,
+            tied_embeddings=True, add_bias=True, normalization="LayerNorm", learned_positions=True,
+            max_position_embeddings=int(config["n_positions"]),
+            norm_epsilon=float(config.get("layer_norm_epsilon", 1e-5)),
+            activation="gelu" if act == "gelu" else "gelu_tanh")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UnreadableInput(f"config.json lacks a {family} field ({exc})") from None
+
+
+def _rope_theta(config: dict) -> float:
+    params = config.get("rope_parameters") or {}
+    return params.get("rope_theta") or config.get("rope_theta") or 10000.0
+
+
+def config_for(spec: ModelSpec, family: str, vocab: int, dtype: torch.dtype, base: dict | None) -> dict:
+    """The ``config.json`` for ``spec``; fields of a carried source config are kept."""
+    config = dict(base or {})
+    if family == "llama":
+        config.update(
+            architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=spec.hidden_size,
+            intermediate_size=spec.ffn, num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.groups, num_hidden_layers=spec.num_layers, vocab_size=vocab,
+            head_dim=spec.head_dim, rms_norm_eps=spec.norm_epsilon, rope_theta=spec.rotary_base,
+            tie_word_embeddings=spec.tied_embeddings, hidden_act="silu", attention_bias=False,
+            mlp_bias=False, max_position_embeddings=spec.max_position_embeddings or
+            config.get("max_position_embeddings", 4096))
+        if "rope_parameters" in config:
+            config["rope_parameters"] = {**config["rope_parameters"], "rope_theta": spec.rotary_base}
+    else:
+        config.update(
+            architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=spec.hidden_size,
+            n_head=spec.num_attention_heads, n_layer=spec.num_layers, n_inner=spec.ffn,
+            n_positions=spec.max_position_embeddings, vocab_size=vocab,
+            layer_norm_epsilon=spec.norm_epsilon, tie_word_embeddings=True,
+            activation_function=config.get("activation_function", "gelu_new")
+            if spec.activation == "gelu_tanh" else "gelu")
+    config["torch_dtype" if "dtype" not in config else "dtype"] = str(dtype).replace("torch.", "")
+    return config
+
+
+# --------------------------------------------------------------------------- reading
 
 
 class HfReader(Reader):
     name = NAME
+    model_family: str | None = None
+    """Set by ``--model-family`` when config.json does not say."""
+
+    def __init__(self):
+        self._files: dict[tuple[str, str], tuple] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def detect(cls, store: Store) -> bool:
         return store.exists(CONFIG) and any(store.exists(f) for f in WEIGHT_FILES)
 
-    def read_index(self, store):
-        from converters import not_yet
+    def configure(self, *, model_family: str | None = None, **unknown) -> None:
+        super().configure(**unknown)
+        self.model_family = model_family
 
-        not_yet(NAME, 6)
+    def read_index(self, store: Store) -> CheckpointIndex:
+        try:
+            config = json.loads(store.read_bytes(CONFIG))
+        except ValueError:
+            raise UnreadableInput("config.json is not valid JSON", path=store.display(CONFIG)) from None
+        family = self.model_family or _MODEL_TYPES.get(str(config.get("model_type")))
+        if family is None:
+            raise UsageError(
+                f"cannot tell the model family: model_type={config.get('model_type')!r}, "
+                f"architectures={config.get('architectures')}", path=store.display(CONFIG),
+                hint=f"Pass --model-family ({', '.join(FAMILIES)}) if the schema is one of these")
+        spec = spec_from_config(config, family)
+        weight_map = self._weight_map(store)
+        index = CheckpointIndex(format=NAME, url=store.url, topology=Topology(),
+                                model_config=asdict(spec), true_vocab_size=spec.vocab_size,
+                                iteration=None)
+        index.files = {f: 1 for f in sorted(set(weight_map.values()))}
+        index.files[CONFIG] = 1
+        tensors = hf_tensors(spec, family, spec.vocab_size)
+        missing = [t.name for t in tensors if t.name not in weight_map]
+        if missing:
+            raise BadCheckpoint(f"{len(missing)} tensors of a {family} model are missing, e.g. "
+                                f"{', '.join(missing[:3])}", path=store.url)
+        for t in tensors:
+            file = weight_map[t.name]
+            entry = self._entries(store, file).get(t.name)
+            if entry is None:
+                raise BadCheckpoint(f"{t.name} is not in {file}", path=store.display(file))
+            if entry.shape != t.stored_shape:
+                raise BadCheckpoint(f"{t.name} has shape {list(entry.shape)}, config.json implies "
+                                    f"{list(t.stored_shape)}", path=store.display(file), key=t.name)
+            row = math.prod(t.shape[1:])
+            for offset, region in t.parts:
+                info = index.tensors.get(region.key)
+                if info is None:
+                    info = index.tensors[region.key] = TensorInfo(region.key, region.global_shape,
+                                                                  entry.dtype)
+                info.pieces.append(Piece(region, Location(file, detail=(t.name, offset // row,
+                                                                        t.transposed))))
+        index.objects[CONFIG_KEY] = ObjectInfo(CONFIG_KEY, value=config)
+        return index
+
+    def _weight_map(self, store: Store) -> dict[str, str]:
+        if store.exists(INDEX):
+            try:
+                return dict(json.loads(store.read_bytes(INDEX))["weight_map"])
+            except (ValueError, KeyError, TypeError):
+                raise BadCheckpoint("model.safetensors.index.json has no weight_map",
+                                    path=store.display(INDEX)) from None
+        if store.exists(SINGLE):
+            return {name: SINGLE for name in self._entries(store, SINGLE)}
+        raise UnreadableInput("only safetensors weights are read (pytorch_model.bin is a pickle)",
+                              path=store.url, hint="Save the model with safe_serialization=True")
+
+    def _file(self, store: Store, file: str):
+        key = (store.url, file)
+        with self._lock:
+            if key not in self._files:
+                reader = store.range_reader(file)
+                entries, _ = parse_header(reader, store.display(file))
+                self._files[key] = (reader, entries)
+            return self._files[key]
+
+    def _entries(self, store: Store, file: str):
+        return self._file(store, file)[1]
+
+    def read_box_into(self, store: Store, piece: Piece, dtype: torch.dtype, box, out) -> None:
+        """Read global ``box`` of the piece: the rows it spans, as one byte range."""
+        name, first_row, transposed = piece.location.detail
+        reader, entries = self._file(store, piece.location.file)
+        entry = entries[name]
+        offsets, lengths = box
+        r0 = first_row + offsets[0] - piece.region.offsets[0]
+        if len(lengths) == 1:
+            data = _read(reader, entry, r0, lengths[0], 1)
+        elif not transposed:
+            row = math.prod(entry.shape[1:])
+            data = _read(reader, entry, r0, lengths[0], row).view(lengths[0], *entry.shape[1:])
+            data = data[(slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:])))]
+        else:  # stored [in, out]: the box's columns are stored rows
+            rows = entry.shape[1]
+            data = _read(reader, entry, offsets[1], lengths[1], rows).view(lengths[1], rows)
+            data = data[:, r0:r0 + lengths[0]].t()
+        out.copy_(data)
+
+    def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(piece.region.local_shape, dtype=dtype)
+        self.read_box_into(store, piece, dtype, piece.region.box, out)
+        return out
+
+    def read_box(self, store: Store, piece: Piece, dtype: torch.dtype, box) -> torch.Tensor:
+        out = torch.empty(box[1], dtype=dtype)
+        self.read_box_into(store, piece, dtype, box, out)
+        return out
+
+
+def _read(reader, entry, first: int, count: int, row: int) -> torch.Tensor:
+    item = entry.dtype.itemsize
+    begin = entry.begin + first * row * item
+    end = begin + count * row * item
+    if end > entry.end:
+        raise BadCheckpoint("tensor data is shorter than its header says", path=reader.source)
+    raw = reader(begin, end)
+    if len(raw) != end - begin:
+        raise BadCheckpoint("safetensors file is truncated", path=reader.source)
+    return torch.frombuffer(bytearray(raw), dtype=entry.dtype)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+class HfWriter(Writer):
+    """Writes ``config.json`` and safetensors shards (``--max-shard-size``, ``--dtype``)."""
+
+    name = NAME
+    holds_optimizer = False
+
+    def __init__(self):
+        self.max_shard_size = 5 << 30
+        self.dtype: torch.dtype | None = None
+        self.model_family: str | None = None
+        self._config: dict | None = None
+
+    def configure(self, *, max_shard_size: int | None = None, dtype: str | None = None,
+                  model_family: str | None = None, **unknown) -> None:
+        super().configure(**unknown)
+        if max_shard_size:
+            self.max_shard_size = int(max_shard_size)
+        if dtype:
+            self.dtype = DTYPES[dtype]
+        self.model_family = model_family
+
+    def target_spec(self, index: CheckpointIndex, source: Topology, target: Topology,
+                    true_vocab_size: int | None) -> ModelSpec:
+        if index.model_config is None:
+            raise UsageError("the source does not say what model it holds", path=index.url,
+                             hint="Hugging Face output needs the model's config (Megatron args, "
+                                  "or a ckptool manifest)")
+        spec = ModelSpec(**index.model_config)
+        vocab = true_vocab_size or index.true_vocab_size or spec.global_vocab_rows
+        if vocab > spec.global_vocab_rows:
+            raise UsageError(f"the vocabulary ({vocab}) exceeds the {spec.global_vocab_rows} stored rows")
+        self._vocab = vocab
+        return spec
+
+    def target_topology(self, source: Topology, changes: dict) -> Topology:
+        """One unsharded model, whatever the source's layout."""
+        if any(changes.get(k, 1) != 1 for k in ("tp", "pp")):
+            raise UsageError("Hugging Face checkpoints are not model-parallel",
+                             hint="Drop --tp/--pp for --to hf")
+        return Topology()
+
+    def bind(self, opened) -> None:
+        obj = opened.index.objects.get(CONFIG_KEY)
+        self._config = obj.value if obj is not None else None
+
+    def source_schema(self, opened) -> str:
+        return NAME
+
+    def plan(self, index: CheckpointIndex, topo: Topology, spec: ModelSpec, schema: str,
+             with_optimizer: bool = True) -> list[TargetFile]:
+        family = self.model_family or family_of(spec)
+        self._family, self._spec = family, spec
+        tensors = hf_tensors(spec, family, self._vocab)
+        self._dtype = self.dtype or _common_dtype(index, tensors)
+        groups: list[list[HfTensor]] = [[]]
+        size = 0
+        for t in tensors:
+            n = math.prod(t.shape) * self._dtype.itemsize
+            if groups[-1] and size + n > self.max_shard_size:
+                groups.append([])
+                size = 0
+            groups[-1].append(t)
+            size += n
+        names = [SINGLE] if len(groups) == 1 else \
+            [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        self._weight_map = {t.name: f for f, g in zip(names, groups) for t in g}
+        files = []
+        for name, group in zip(names, groups):
+            files.append(TargetFile(name, [
+                TargetTensor(t, t.shard, index.tensors[t.parts[0][1].key].dtype
+                             if t.parts[0][1].key in index.tensors else self._dtype)
+                for t in group]))
+        return files
+
+    def write_file(self, store: Store, target: TargetFile, produce, index: CheckpointIndex,
+                   true_vocab_size: int | None) -> tuple[int, str]:
+        header, at = {"__metadata__": {"format": "pt"}}, 0
+        for t in target.tensors:
+            n = math.prod(t.name.stored_shape) * self._dtype.itemsize
+            header[t.name.name] = {"dtype": ST_DTYPES[self._dtype], "shape": list(t.name.stored_shape),
+                                   "data_offsets": [at, at + n]}
+            at += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with store.open_file(target.path, "wb") as f:
+            out = HashingWriter(f)
+            out.write(len(raw).to_bytes(8, "little") + raw)
+            for t in target.tensors:
+                data = produce(t).to(self._dtype)
+                if t.name.transposed:
+                    data = data.t()
+                out.write(memoryview(data.contiguous().view(torch.uint8).numpy()))
+            out.fsync()
+        return out.size, out.hexdigest()
+
+    def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
+        config = config_for(self._spec, self._family, self._vocab, self._dtype, self._config)
+        store.write_bytes(CONFIG, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+        written = [CONFIG]
+        if len(set(self._weight_map.values())) > 1:
+            total = sum(math.prod(t.stored_shape) * self._dtype.itemsize
+                        for t in hf_tensors(self._spec, self._family, self._vocab))
+            body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self._weight_map.items()))}
+            store.write_bytes(INDEX, (json.dumps(body, indent=2) + "\n").encode())
+            written.append(INDEX)
+        return written
+
+
+def _common_dtype(index: CheckpointIndex, tensors: list[HfTensor]) -> torch.dtype:
+    dtypes = {index.tensors[r.key].dtype for t in tensors for _, r in t.parts if r.key in index.tensors}
+    if len(dtypes) == 1:
+        return dtypes.pop()
+    if not dtypes:
+        return torch.float32
+    raise UsageError(f"the source mixes dtypes ({', '.join(sorted(map(str, dtypes)))})",
+                     hint="Pick one with --dtype bf16|fp16|fp32")
+
+
+__all__ = ["HfReader", "HfWriter", "hf_tensors", "family_of", "spec_from_config", "config_for"]

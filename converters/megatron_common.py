@@ -231,6 +231,9 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
         max_position_embeddings=int(_get(args, "max_position_embeddings", 0)),
         first_stage_layers=_get(args, "decoder_first_pipeline_num_layers"),
         last_stage_layers=_get(args, "decoder_last_pipeline_num_layers"),
+        norm_epsilon=float(_get(args, "norm_epsilon", _get(args, "layernorm_epsilon", 1e-5))),
+        rotary_base=float(_get(args, "rotary_base", 10000)),
+        activation="gelu_tanh" if _get(args, "openai_gelu", False) else "gelu",
     )
     if true_vocab and spec.padded_vocab(tp) != padded:
         raise UnreadableInput(f"args say padded_vocab_size={padded}, but vocab {true_vocab} at TP{tp} "
@@ -279,7 +282,8 @@ def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology
         untie_embeddings_and_output_weights=not spec.tied_embeddings,
         add_bias_linear=spec.add_bias, normalization=spec.normalization,
         position_embedding_type="learned_absolute" if spec.learned_positions else "rope",
-        max_position_embeddings=spec.max_position_embeddings)
+        max_position_embeddings=spec.max_position_embeddings, norm_epsilon=spec.norm_epsilon,
+        rotary_base=spec.rotary_base, openai_gelu=spec.activation == "gelu_tanh")
     new.tensor_model_parallel_size = topo.tp
     new.pipeline_model_parallel_size = topo.pp
     new.data_parallel_size = topo.dp

@@ -49,9 +49,9 @@ def megatron_args(m: dict, tp: int, pp: int) -> argparse.Namespace:
         params_dtype=torch.float32, seq_length=SEQ)
 
 
-def tokens() -> torch.Tensor:
+def tokens(vocab: int = 997) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
-    return torch.randint(0, 997, (BATCH, SEQ), generator=g)
+    return torch.randint(0, min(997, vocab), (BATCH, SEQ), generator=g)
 
 
 def _init(rank, world, tp, pp, port):
@@ -92,7 +92,7 @@ def _forward(ps, model, m: dict, tp: int, pp: int) -> torch.Tensor | None:
     """Pipelined forward; returns the full-vocab logits on the last stage's TP rank 0."""
     rank, pp_rank, tp_rank = dist.get_rank(), ps.get_pipeline_model_parallel_rank(), \
         ps.get_tensor_model_parallel_rank()
-    tok = tokens()
+    tok = tokens(m["vocab_size"])
     pos = torch.arange(SEQ).expand(BATCH, SEQ)
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
     model.eval()
@@ -157,6 +157,36 @@ def _load_worker(rank, m, tp, pp, root, out, no_rng, port):
         torch.save(logits, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _hook_save_worker(rank, m, tp, root, port):
+    """The training hook on a real mcore model: ``training.megatron.sharded_state`` describes
+    its local TP parameters; ``AsyncCheckpointer`` writes them."""
+    from dataclasses import asdict
+
+    from converters.megatron_common import spec_from_args
+    from training import AsyncCheckpointer
+    from training.megatron import sharded_state
+
+    ps = _init(rank, tp, tp, 1, port)
+    model = _seeded_model(m, tp)
+    spec, topo, _ = spec_from_args(megatron_args(m, tp, 1))
+    state = sharded_state(model, spec, topo, tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=0)
+    ckpt = AsyncCheckpointer(root, topology=topo.to_dict(), model_config=asdict(spec),
+                             true_vocab_size=m["vocab_size"])
+    ckpt.save(10, state)
+    ckpt.wait()
+    logits = _forward(ps, model, m, tp, 1)
+    if logits is not None:
+        torch.save(logits, Path(root).parent / f"{Path(root).name}.logits.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def hook_save_real(m: dict, tp: int, root: Path) -> torch.Tensor:
+    """Save a real mcore model at TP=tp through the training hook; return its logits."""
+    _spawn(_hook_save_worker, tp, m, tp, str(root))
+    return torch.load(root.parent / f"{root.name}.logits.pt")
 
 
 def _spawn(fn, nprocs, *args):

@@ -24,8 +24,10 @@ import torch
 import torch.distributed as dist
 
 from ckptool.core.dcpwrite import ChunkRecord, DcpFileWriter, write_metadata
+from ckptool.core.errors import BadCheckpoint
 from ckptool.core.manifest import FileEntry, Manifest, write_manifest
 from ckptool.core.storage import Store, is_temporary
+from training.state import boxes, describe, dotted, set_leaf
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,9 @@ class _Chunk:
     key: str
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
     host: torch.Tensor
+    """A view of the staging buffer."""
 
 
 @dataclass
@@ -57,12 +61,15 @@ class AsyncCheckpointer:
     """Asynchronous, atomic, checksummed DCP checkpoints under ``root`` (a path or fsspec URL)."""
 
     def __init__(self, root: str, keep_last: int = 3, process_group=None, *,
-                 topology: dict | None = None, model_config: dict | None = None):
+                 topology: dict | None = None, model_config: dict | None = None,
+                 true_vocab_size: int | None = None):
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep everything)")
         self.root = Store.open(str(root))
         self.keep_last = keep_last
+        # Recorded in the manifest so that offline tools know the layout (reshard, convert).
         self.topology, self.model_config = topology, model_config
+        self.true_vocab_size = true_vocab_size
         self._pg = process_group
         self._distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank(process_group) if self._distributed else 0
@@ -97,9 +104,11 @@ class AsyncCheckpointer:
             raise error
 
     def load_latest(self, state: dict) -> int | None:
-        """Fill ``state`` in place from the newest checkpoint that verifies; its step, or None."""
-        import torch.distributed.checkpoint as dcp
+        """Fill ``state`` in place from the newest checkpoint that verifies; its step, or None.
 
+        Every local box is read from whichever stored chunks overlap it, so the checkpoint
+        may come from any number of ranks in any layout.
+        """
         from ckptool.core.errors import NoCheckpoint
         from ckptool.ops.latest import latest
 
@@ -112,29 +121,26 @@ class AsyncCheckpointer:
         path = self._broadcast(path)
         if path is None:
             return None
-        dcp.load(state, checkpoint_id=path, process_group=self._pg)
-        from ckptool.core.manifest import read_manifest
-
-        manifest = read_manifest(Store.open(path))
-        return manifest.iteration if manifest else None
+        return load(path, state, self._rank)
 
     # ------------------------------------------------------------------ staging
 
     def _stage(self, state: dict) -> tuple[list[_Chunk], dict[str, Any]]:
+        entries, leaves = describe(state, self._rank)
         chunks, objects = [], {}
-        for key, value in _flatten(state).items():
-            if isinstance(value, torch.Tensor):
-                local, shape, offsets, writes = _local_chunk(value, self._rank)
-                if not writes:
-                    continue
-                buf = self._buffers.get((key, tuple(local.shape), local.dtype))
-                if buf is None:
-                    buf = torch.empty(local.shape, dtype=local.dtype,
-                                      pin_memory=local.is_cuda and torch.cuda.is_available())
-                    self._buffers[(key, tuple(local.shape), local.dtype)] = buf
-                buf.copy_(local.detach(), non_blocking=local.is_cuda)
-                chunks.append(_Chunk(key, shape, offsets, buf))
-            elif self._rank == 0:  # non-tensors are replicated: rank 0 keeps them (as DCP does)
+        for e in (e for e in entries if e.writes):
+            local = e.local.detach()
+            slot = (dotted(e.path), tuple(local.shape), local.dtype)
+            buf = self._buffers.get(slot)
+            if buf is None:
+                buf = torch.empty(local.shape, dtype=local.dtype,
+                                  pin_memory=local.is_cuda and torch.cuda.is_available())
+                self._buffers[slot] = buf
+            buf.copy_(local, non_blocking=local.is_cuda)
+            for key, shape, offsets, lengths, view in boxes(e.shard, buf):
+                chunks.append(_Chunk(key, shape, offsets, lengths, view))
+        if self._rank == 0:  # non-tensors are replicated: rank 0 keeps them (as DCP does)
+            for key, (_, value) in leaves.items():
                 data = io.BytesIO()
                 torch.save(value, data)
                 objects[key] = data.getvalue()
@@ -151,7 +157,7 @@ class AsyncCheckpointer:
             tmp.fs.makedirs(tmp.root, exist_ok=True)
             with DcpFileWriter(tmp, f"__{self._rank}_0.distcp") as w:
                 for c in chunks:
-                    w.add_chunk(c.key, c.offsets, tuple(c.host.shape), c.host)
+                    w.add_chunk(c.key, c.offsets, c.lengths, c.host)
                 for key, data in objects.items():
                     w.add_bytes(key, data)
             result = _RankResult(None, w.path, w.digest[0], w.digest[1],
@@ -193,7 +199,8 @@ class AsyncCheckpointer:
                 [FileEntry(METADATA, size, digest)]
             manifest = Manifest(format="dcp", files=sorted(files, key=lambda f: f.path),
                                 format_version="1.0.0", iteration=step, topology=self.topology,
-                                model_config=self.model_config)
+                                model_config=self.model_config,
+                                true_vocab_size=self.true_vocab_size)
             write_manifest(tmp, manifest)
             final = self.root.child(STEP_DIR.format(step))
             if final.exists():
@@ -248,30 +255,33 @@ class _Recorded:
     objects: list
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts to DCP's dotted keys (what ``dcp.load`` flattens a target state to)."""
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out = {}
-    for k, v in tree.items():
-        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
+def load(path: str, state: dict, rank: int = 0) -> int | None:
+    """Fill ``state`` in place from the checkpoint at ``path``; its step (from the manifest).
 
+    Works for any checkpoint ckptool reads whose global keys match the state's: the
+    checkpoint's layout and world size need not be this job's.
+    """
+    from ckptool.checkpoint import open_checkpoint
+    from ckptool.core.engine import fill_into
 
-def _local_chunk(value: torch.Tensor, rank: int):
-    """(local tensor, global shape, global offsets, whether this rank writes it)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # older torch
-        from torch.distributed._tensor import DTensor
-    if isinstance(value, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    opened = open_checkpoint(path)
+    index = opened.index
+    entries, leaves = describe(state, rank)
 
-        _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
-                                                           value.placements)
-        coord = value.device_mesh.get_coordinate() or []
-        # Among ranks holding the same replica, only the one at coordinate 0 of every
-        # replicated mesh dimension writes.
-        writes = all(c == 0 for c, p in zip(coord, value.placements) if p.is_replicate())
-        return value.to_local(), tuple(value.shape), tuple(offsets), writes
-    return value, tuple(value.shape), (0,) * value.dim(), rank == 0
+    def read_box(piece, dtype, box, out_view):
+        opened.reader.read_box_into(opened.store, piece, dtype, box, out_view)
+
+    with torch.no_grad():
+        for e in entries:
+            if e.local.is_cuda:
+                host = torch.empty(e.local.shape, dtype=e.local.dtype)
+                fill_into(e.shard, host, index, read_box)
+                e.local.copy_(host)
+            else:
+                fill_into(e.shard, e.local, index, read_box)
+    for key, (path_, _) in leaves.items():
+        obj = index.objects.get(key)
+        if obj is None:
+            raise BadCheckpoint(f"checkpoint has no entry {key!r}", path=opened.store.url, key=key)
+        set_leaf(state, path_, opened.reader.read_object(opened.store, obj))
+    return index.iteration

@@ -56,10 +56,20 @@ def fill_tensor(t: TargetTensor, index: CheckpointIndex, read_box: ReadBox,
     covered = sum(r.numel for r in t.shard.regions) == math.prod(t.shard.shape)
     buf = torch.empty(t.shard.shape, dtype=t.dtype) if covered else \
         torch.full(t.shard.shape, pad_value, dtype=t.dtype)
-    for region, view in t.shard.views(buf):
+    fill_into(t.shard, buf, index, read_box)
+    return buf
+
+
+def fill_into(shard: Shard, out: torch.Tensor, index: CheckpointIndex, read_box: ReadBox) -> None:
+    """Fill the regions of ``shard`` in the existing tensor ``out`` (padding untouched)."""
+    for region, view in shard.views(out):
         info = index.tensors.get(region.key)
         if info is None:
             raise BadCheckpoint(f"source has no tensor {region.key!r}", path=index.url,
+                                key=region.key)
+        if tuple(info.shape) != tuple(region.global_shape):
+            raise BadCheckpoint(f"source tensor {region.key!r} has shape {tuple(info.shape)}, "
+                                f"expected {tuple(region.global_shape)}", path=index.url,
                                 key=region.key)
         plan = plan_copies([p.region for p in info.pieces], [region])
         if sum(c.numel for c in plan) != region.numel:
@@ -67,7 +77,6 @@ def fill_tensor(t: TargetTensor, index: CheckpointIndex, read_box: ReadBox,
                                 key=region.key)
         for c in plan:
             read_box(info.pieces[c.src], info.dtype, c.box, region.view(view, c.box))
-    return buf
 
 
 def bytes_read(targets: list[TargetFile], index: CheckpointIndex) -> int:

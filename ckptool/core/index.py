@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ckptool.core.errors import UsageError
 from ckptool.core.regions import Region
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
@@ -88,6 +89,12 @@ class Reader:
 
     name: str = ""
 
+    def configure(self, **options) -> None:
+        """Reader options (e.g. hf's ``model_family``); a reader takes only its own."""
+        if options:
+            flags = ", ".join("--" + k.replace("_", "-") for k in options)
+            raise UsageError(f"{flags} does not apply to {self.name} input")
+
     @classmethod
     def detect(cls, store: Store) -> bool:
         """True when ``store`` is a checkpoint directory of this format."""
@@ -129,6 +136,20 @@ class Writer:
     """
 
     name: str = ""
+    holds_optimizer: bool = True
+    """False for weights-only formats (hf): optimizer state is then left out, and said so."""
+
+    def configure(self, **options) -> None:
+        """Format options (e.g. hf's ``max_shard_size``); a writer takes only its own."""
+        if options:
+            flags = ", ".join("--" + k.replace("_", "-") for k in options)
+            raise UsageError(f"{flags} does not apply to {self.name} output")
+
+    def target_topology(self, source: Topology, changes: dict) -> Topology:
+        """The output's topology: the source's, with the requested changes."""
+        from dataclasses import replace
+
+        return replace(source, **changes)
 
     def bind(self, opened) -> None:
         """Called once with the opened source, for writers that copy raw source bytes."""

@@ -70,6 +70,12 @@ class ModelSpec:
     """``decoder_first_pipeline_num_layers`` for uneven pipelines."""
     last_stage_layers: int | None = None
     """``decoder_last_pipeline_num_layers`` for uneven pipelines."""
+    norm_epsilon: float = 1e-5
+    rotary_base: float = 10000.0
+    """RoPE theta (Megatron ``rotary_base``, HF ``rope_theta``)."""
+    activation: str = "gelu"
+    """MLP activation without gating: ``gelu`` (erf) or ``gelu_tanh`` (Megatron
+    ``--openai-gelu``, GPT-2's ``gelu_new``). With ``swiglu`` it is SiLU."""
 
     @property
     def global_vocab_rows(self) -> int:

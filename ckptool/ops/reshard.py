@@ -22,6 +22,7 @@ from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifes
 from ckptool.core.storage import atomic_output
 
 RESHARDABLE = ("megatron", "megatron-dist", "dcp")
+OPTIMIZER_PREFIX = "optimizer."
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,24 +72,30 @@ def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers
 
 def convert(src: str, dst: str, *, to_format: str, to: dict | None = None, workers: int = 1,
             dry_run: bool = False, overwrite: bool = False, true_vocab_size: int | None = None,
-            drop_optimizer: bool = False, names: str | None = None,
+            drop_optimizer: bool = False, names: str | None = None, model_family: str | None = None,
+            options: dict | None = None,
             progress: Callable[[int], object] | None = None) -> ReshardResult:
     """Write checkpoint ``src`` at ``dst`` in format ``to_format`` (topology per ``to``).
 
     ``names`` picks the target's tensor-name schema where the format has several (Megatron:
     ``mcore-local``, ``mcore-te``, ``legacy``); by default the source's, else the format's default.
+    ``model_family`` names the Hugging Face family (``llama``, ``gpt2``) where it cannot be
+    inferred; ``options`` are the target format's own (hf: ``max_shard_size``, ``dtype``).
     """
-    opened = open_checkpoint(src)
+    opened = open_checkpoint(src, model_family=model_family)
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    if model_family and to_format == "hf":
+        options["model_family"] = model_family
     return rewrite(opened, dst, to_format, to={k: v for k, v in (to or {}).items() if v is not None},
                    workers=workers, dry_run=dry_run, overwrite=overwrite,
                    true_vocab_size=true_vocab_size, drop_optimizer=drop_optimizer, names=names,
-                   progress=progress)
+                   options=options, progress=progress)
 
 
 def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None = None,
             workers: int = 1, dry_run: bool = False, overwrite: bool = False,
             true_vocab_size: int | None = None, drop_optimizer: bool = False,
-            names: str | None = None,
+            names: str | None = None, options: dict | None = None,
             progress: Callable[[int], object] | None = None) -> ReshardResult:
     """The one path for reshard and convert: plan the target files, fill them region by
     region from the source, commit atomically."""
@@ -106,8 +113,9 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
     changes = dict(to)
     if "pp" in changes and "vpp" not in changes and changes["pp"] != source_topo.pp:
         changes["vpp"] = 1
-    target_topo = replace(source_topo, **changes)
     writer = converters.writer(fmt)
+    writer.configure(**(options or {}))
+    target_topo = writer.target_topology(source_topo, changes)
     uncarried = writer.unsupported_state(index)
     if uncarried and not drop_optimizer:
         raise UsageError(f"the optimizer state cannot be carried: {uncarried}", path=opened.store.url,
@@ -119,12 +127,17 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
         check_layout(spec, target_topo)
     plan = writer.plan(index, target_topo, spec, schema=names or writer.source_schema(opened),
                        with_optimizer=not drop_optimizer)
+    weights_only = drop_optimizer or not writer.holds_optimizer
+    _refuse_unwritten(index, plan, fmt, weights_only)
+    dropped_tensors = sum(k.startswith(OPTIMIZER_PREFIX) for k in index.tensors) if weights_only else 0
+    if dropped_tensors and not uncarried:
+        uncarried = f"optimizer state ({dropped_tensors} tensors)"
     result = ReshardResult(
         source=opened.store.url, destination=dst, format=fmt,
         source_topology=source_topo.to_dict(), target_topology=target_topo.to_dict(),
         files=[PlannedFile(f.path, f.nbytes) for f in plan], bytes_read=bytes_read(plan, index),
         bytes_written=sum(f.nbytes for f in plan), dry_run=dry_run,
-        dropped=uncarried if drop_optimizer else None, notes=writer.notes(index))
+        dropped=uncarried if weights_only else None, notes=writer.notes(index))
     if dry_run:
         return result
 
@@ -156,6 +169,23 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
         out.abort()
         raise
     return replace(result, destination=out.final.url, seconds=time.perf_counter() - started)
+
+
+def _refuse_unwritten(index, plan, fmt: str, drop_optimizer: bool) -> None:
+    """Never drop source tensors silently: each must land in some target file, unless it is
+    optimizer state and the user asked to drop it."""
+    used = {r.key for f in plan for t in f.tensors for r in t.shard.regions}
+    left = sorted(k for k in index.tensors if k not in used
+                  and not (drop_optimizer and k.startswith(OPTIMIZER_PREFIX)))
+    if not left:
+        return
+    optimizer = all(k.startswith(OPTIMIZER_PREFIX) for k in left)
+    raise UsageError(
+        f"{len(left)} source tensors have no place in the {fmt} output, e.g. {', '.join(left[:3])}"
+        + (" (optimizer state this writer cannot lay out from this source)" if optimizer else ""),
+        path=index.url,
+        hint="Pass --drop-optimizer to write the model weights only" if optimizer else
+        "Convert to a format that holds them (dcp keeps every tensor)")
 
 
 __all__ = ["reshard", "convert", "rewrite", "ReshardResult", "PlannedFile"]

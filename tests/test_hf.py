@@ -1,0 +1,185 @@
+"""Hugging Face conversion, proven by logits: transformers on one side, real megatron-core
+on the other (tests/mcore_harness.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from tests import mcore_harness as H  # noqa: E402
+
+LLAMA_250 = dict(H.LLAMA, vocab_size=250)
+"""GQA (8 heads, 4 kv groups), SwiGLU, untied, vocab 250 (not a multiple of 128)."""
+GPT_250 = dict(H.GPT, vocab_size=250)
+
+
+def _perturb_norms(model):
+    with torch.no_grad():  # non-trivial norms and biases, so a mix-up cannot hide
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("bias"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+
+
+def make_llama(root: Path, m=LLAMA_250):
+    cfg = transformers.LlamaConfig(
+        vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], intermediate_size=m["ffn_hidden_size"],
+        num_hidden_layers=m["num_layers"], num_attention_heads=m["num_attention_heads"],
+        num_key_value_heads=m["num_query_groups"], rms_norm_eps=1e-5, max_position_embeddings=64,
+        tie_word_embeddings=False, initializer_range=0.1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    _perturb_norms(model)
+    model.save_pretrained(root)
+    return model
+
+
+def make_gpt2(root: Path, m=GPT_250):
+    cfg = transformers.GPT2Config(
+        vocab_size=m["vocab_size"], n_embd=m["hidden_size"], n_head=m["num_attention_heads"],
+        n_layer=m["num_layers"], n_positions=m["max_pos"], n_inner=m["ffn_hidden_size"],
+        activation_function="gelu", layer_norm_epsilon=1e-5, initializer_range=0.1,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    _perturb_norms(model)
+    model.save_pretrained(root)
+    return model
+
+
+def hf_logits(model, vocab: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model(H.tokens(vocab)).logits
+
+
+def load_hf(root: Path):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        root, output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()
+
+
+def weights(root: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(root.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def assert_close(a, b, atol=1e-5):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    diff = (a - b).abs().max().item()
+    assert diff < atol, diff
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf") / "llama"
+    return root, make_llama(root)
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf") / "gpt2"
+    return root, make_gpt2(root)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hf_to_megatron_tp2_pp2_gives_transformers_logits(family, llama, gpt2, tmp_path, run_cli):
+    (root, model), m = (llama, LLAMA_250) if family == "llama" else (gpt2, GPT_250)
+    dst = tmp_path / "mg"
+    r = run_cli("convert", root, dst, "--to", "megatron", "--tp", "2", "--pp", "2")
+    assert r.code == 0, r.err
+    got = H.load_logits(m, 2, 2, dst, no_rng=True)
+    assert_close(got, hf_logits(model, m["vocab_size"]))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_megatron_to_hf_loads_in_transformers_with_the_same_logits(family, tmp_path, run_cli):
+    m, tp = (H.LLAMA, 2) if family == "llama" else (H.GPT, 1)
+    src = tmp_path / "mg"
+    want = H.save_real(m, tp, src)
+    dst = tmp_path / "hf"
+    r = run_cli("convert", src, dst, "--to", "hf", "--true-vocab-size", m["vocab_size"])
+    assert r.code == 0, r.err
+    model = load_hf(dst)
+    assert model.config.vocab_size == m["vocab_size"]
+    assert_close(hf_logits(model, m["vocab_size"]), want)
+
+
+def test_unknown_true_vocab_keeps_every_stored_row(tmp_path, run_cli):
+    src = tmp_path / "mg"
+    want = H.save_real(H.GPT, 1, src)  # vocab 1003 padded to 1024; its args do not say 1003
+    dst = tmp_path / "hf"
+    assert run_cli("convert", src, dst, "--to", "hf").code == 0
+    model = load_hf(dst)
+    assert model.config.vocab_size == 1024
+    assert_close(hf_logits(model, 1003)[..., :1003], want)
+
+
+@pytest.mark.parametrize("fmt,topo", [("megatron", ["--tp", "2", "--pp", "2"]),
+                                      ("megatron-dist", ["--tp", "2"]), ("dcp", ["--dp", "3"])])
+def test_hf_round_trip_through_each_format_is_bit_exact(fmt, topo, llama, tmp_path, run_cli):
+    root, _ = llama
+    mid, back = tmp_path / "mid", tmp_path / "back"
+    assert run_cli("convert", root, mid, "--to", fmt, *topo).code == 0
+    r = run_cli("convert", mid, back, "--to", "hf")
+    assert r.code == 0, r.err
+    a, b = weights(root), weights(back)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+def test_sharded_output_loads_in_transformers(gpt2, tmp_path, run_cli):
+    root, model = gpt2
+    dst = tmp_path / "sharded"
+    r = run_cli("convert", root, dst, "--to", "hf", "--max-shard-size", "40KB")
+    assert r.code == 0, r.err
+    files = sorted(p.name for p in dst.glob("*.safetensors"))
+    assert len(files) > 3 and all(p.stat().st_size <= 40_000 + 4096 for p in dst.glob("*.safetensors"))
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == files
+    assert_close(hf_logits(load_hf(dst), 250), hf_logits(model, 250))
+    # ... and ckptool reads the sharded form back.
+    assert run_cli("verify", "--deep", dst).code == 0
+
+
+def test_dtype_option_writes_bf16(llama, tmp_path, run_cli):
+    root, _ = llama
+    dst = tmp_path / "bf16"
+    assert run_cli("convert", root, dst, "--to", "hf", "--dtype", "bf16").code == 0
+    w = weights(dst)
+    assert {t.dtype for t in w.values()} == {torch.bfloat16}
+    assert torch.equal(w["model.norm.weight"], weights(root)["model.norm.weight"].bfloat16())
+    load_hf(dst)
+
+
+def test_unknown_family_is_refused_then_named(llama, tmp_path, run_cli):
+    root, _ = llama
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    for f in root.iterdir():
+        (custom / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((custom / "config.json").read_text())
+    cfg["model_type"], cfg["architectures"] = "my-llama", ["MyLlamaForCausalLM"]
+    (custom / "config.json").write_text(json.dumps(cfg))
+    r = run_cli("convert", custom, tmp_path / "out", "--to", "megatron")
+    assert r.code == 2 and "my-llama" in r.err and "--model-family" in r.err
+    assert not (tmp_path / "out").exists()
+    r = run_cli("convert", custom, tmp_path / "out", "--to", "megatron", "--model-family", "llama")
+    assert r.code == 0, r.err
+
+
+def test_hf_output_refuses_model_parallel_targets(llama, tmp_path, run_cli):
+    root, _ = llama
+    r = run_cli("convert", root, tmp_path / "out", "--to", "hf", "--tp", "2")
+    assert r.code == 2 and "not model-parallel" in r.err
+    r = run_cli("convert", root, tmp_path / "out", "--to", "dcp", "--max-shard-size", "1GB")
+    assert r.code == 2 and "--max-shard-size" in r.err

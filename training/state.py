@@ -1,0 +1,121 @@
+"""What a rank's training state *is*, in global terms: the one description the hook saves
+from and loads into.
+
+A state dict's leaves are:
+
+* :class:`Sharded`: a local tensor and the :class:`~ckptool.core.regions.Shard` that says
+  which regions of which global tensors it holds (built by ``training.megatron`` from the
+  shared layout rules: fused QKV, SwiGLU halves, vocab padding, PP layer offsets);
+* a ``DTensor``: its placements give one box of the global tensor;
+* a plain tensor: the whole global tensor, replicated (rank 0 writes it);
+* anything else: a replicated object (rank 0 writes it).
+
+:func:`describe` turns each leaf into :class:`Entry` records (global key, global shape,
+and the local views of each box), so saving and loading are one loop over boxes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptool.core.regions import Region, Shard
+
+
+@dataclass
+class Sharded:
+    """A local tensor holding the regions of ``shard`` (in the shard's flat order)."""
+
+    local: torch.Tensor
+    shard: Shard
+    replica: bool = False
+    """Another rank writes the same regions (TP-replicated norms, DP replicas, tied copies)."""
+
+    def __post_init__(self):
+        if tuple(self.local.shape) != tuple(self.shard.shape):
+            raise ValueError(f"local tensor has shape {tuple(self.local.shape)}, its shard "
+                             f"{tuple(self.shard.shape)} ({self.shard.regions[0].key if self.shard.parts else '?'})")
+
+
+@dataclass
+class Entry:
+    """One tensor leaf: where its local data sits in global tensors."""
+
+    path: tuple[str, ...]
+    """Keys from the state dict's root to the leaf."""
+    local: torch.Tensor
+    shard: Shard
+    writes: bool
+    """This rank writes it (the primary copy of its regions)."""
+    boxes: list[tuple[str, tuple, tuple, tuple, torch.Tensor]] = field(default_factory=list)
+
+
+def flatten(tree: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """Leaves of nested dicts with their key paths (DCP joins them with dots)."""
+    if isinstance(tree, dict):
+        out = []
+        for k, v in tree.items():
+            out += flatten(v, (*path, str(k)))
+        return out
+    return [(path, tree)]
+
+
+def dotted(path: tuple[str, ...]) -> str:
+    return ".".join(path)
+
+
+def describe(state: dict, rank: int) -> tuple[list[Entry], dict[str, tuple[tuple[str, ...], Any]]]:
+    """(tensor entries, {key: (path, value)} of the other leaves) of ``state`` on ``rank``."""
+    entries, objects = [], {}
+    for path, value in flatten(state):
+        if isinstance(value, Sharded):
+            entries.append(Entry(path, value.local, value.shard, not value.replica))
+        elif _is_dtensor(value):
+            entries.append(_dtensor_entry(path, value))
+        elif isinstance(value, torch.Tensor):
+            key = dotted(path)
+            entries.append(Entry(path, value, Shard.of(Region.whole(key, value.shape)), rank == 0))
+        else:
+            objects[dotted(path)] = (path, value)
+    return entries, objects
+
+
+def boxes(shard: Shard, buffer: torch.Tensor):
+    """``(key, global_shape, offsets, lengths, view)`` for every box of ``shard`` in ``buffer``.
+
+    A region cut by a flat range (ZeRO, distributed optimizer) is several boxes.
+    """
+    for region, view in shard.views(buffer):
+        for box in region.boxes():
+            yield region.key, region.global_shape, box[0], box[1], region.view(view, box)
+
+
+def set_leaf(state: dict, path: tuple[str, ...], value: Any) -> None:
+    node = state
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+
+
+def _is_dtensor(value) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # older torch
+        from torch.distributed._tensor import DTensor
+    return isinstance(value, DTensor)
+
+
+def _dtensor_entry(path: tuple[str, ...], value) -> Entry:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = value.to_local()
+    _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
+                                                       value.placements)
+    coord = value.device_mesh.get_coordinate() or []
+    # Among ranks holding the same replica, only the one at coordinate 0 of every
+    # replicated mesh dimension writes.
+    writes = all(c == 0 for c, p in zip(coord, value.placements) if p.is_replicate())
+    region = Region(dotted(path), tuple(value.shape), tuple(offsets), tuple(local.shape))
+    return Entry(path, local, Shard.of(region), writes)
