@@ -47,6 +47,7 @@ WEIGHT_FILES = (SINGLE, INDEX, "pytorch_model.bin", "pytorch_model.bin.index.jso
 CONFIG_KEY = "hf.config"
 FAMILIES = ("llama", "gpt2")
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "gpt2": "gpt2"}
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
@@ -265,7 +266,8 @@ class HfReader(Reader):
             config = json.loads(store.read_bytes(CONFIG))
         except ValueError:
             raise UnreadableInput("config.json is not valid JSON", path=store.display(CONFIG)) from None
-        family = self.model_family or _MODEL_TYPES.get(str(config.get("model_type")))
+        family = self.model_family or _MODEL_TYPES.get(str(config.get("model_type"))) or \
+            next((_ARCHITECTURES[a] for a in config.get("architectures") or () if a in _ARCHITECTURES), None)
         if family is None:
             raise UsageError(
                 f"cannot tell the model family: model_type={config.get('model_type')!r}, "

@@ -297,6 +297,22 @@ def train_step(model: Stage, opt, step: int, micro: int) -> float | None:
     return None
 
 
+def eval_logits(model: Stage) -> torch.Tensor | None:
+    """Full-vocabulary logits of the step-0 batch (forward only, every DP rank the same);
+    returned on the last stage."""
+    tokens = global_batch(0)[:, :-1]
+    x = None
+    with torch.no_grad():
+        if not G.first:
+            x = torch.empty(tokens.shape[0], SEQ, SPEC.hidden_size)
+            dist.recv(x, G.rank_of(G.tp_rank, G.dp_rank, G.pp_rank - 1))
+        out = model(x, tokens)
+        if not G.last:
+            dist.send(out.contiguous(), G.rank_of(G.tp_rank, G.dp_rank, G.pp_rank + 1))
+            return None
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--save", required=True, help="run root for checkpoints (path or fsspec URL), as Megatron's --save")
@@ -310,6 +326,8 @@ def main(argv=None) -> int:
                     help="per DP rank (default: its batch, one sequence each)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--loss-log", help="append one JSON line per step (last stage, DP rank 0)")
+    ap.add_argument("--eval-logits", metavar="PATH",
+                    help="load the newest checkpoint, save the logits of a fixed batch to PATH, exit")
     ap.add_argument("--crash-after-save", type=int, default=None,
                     help="simulate a node failure: exit hard right after issuing this step's save")
     args = ap.parse_args(argv)
@@ -347,6 +365,14 @@ def main(argv=None) -> int:
         print(f"TP{args.tp} PP{args.pp} DP{dp}: "
               + (f"resumed from step {start - 1}" if resumed is not None else "starting fresh"),
               flush=True)
+    if args.eval_logits:
+        logits = eval_logits(model)
+        if logits is not None and G.tp_rank == 0 and G.dp_rank == 0:
+            torch.save({"step": start - 1, "tokens": global_batch(0)[:, :-1], "logits": logits},
+                       args.eval_logits)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
     micro = args.micro_batches or GLOBAL_BATCH // dp
     for step in range(start, args.steps + 1):
         t0 = time.perf_counter()

@@ -110,9 +110,15 @@ def test_damaged_megatron_rank_file_is_a_bad_checkpoint(tmp_path, run_cli):
     assert "iter_0000200/mp_rank_00_000/model_optim_rng.pt" in res.err
 
 
-@pytest.mark.parametrize("build,issue", [(deepspeed, 5), (hf, 6)])
+@pytest.mark.parametrize("build,issue", [(deepspeed, 5)])
 def test_detected_but_unread_formats_say_so(tmp_path, run_cli, build, issue):
     root = build(tmp_path / "ckpt")
     res = run_cli("inspect", root)
     assert res.code == 2 and f"is not implemented yet (issue #{issue})" in res.err
     assert "Traceback" not in res.err
+
+
+def test_an_incomplete_hf_checkpoint_is_one_clear_line(tmp_path, run_cli):
+    res = run_cli("inspect", hf(tmp_path / "ckpt"))
+    assert res.code == 2 and "config.json lacks a llama field" in res.err
+    assert "Traceback" not in res.err and len(res.err.strip().splitlines()) == 1

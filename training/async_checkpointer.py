@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ckptool.core.dcpwrite import ChunkRecord, DcpFileWriter, write_metadata
 from ckptool.core.errors import BadCheckpoint
-from ckptool.core.manifest import FileEntry, Manifest, write_manifest
+from ckptool.core.manifest import MANIFEST, FileEntry, Manifest, write_manifest
 from ckptool.core.storage import Store, is_temporary
 from training.state import boxes, describe, dotted, set_leaf
 
@@ -89,7 +89,7 @@ class AsyncCheckpointer:
         """Stage this rank's shards in host memory and return; writing continues behind."""
         self.wait()
         chunks, objects = self._stage(state)
-        name = self._agree(f"{STEP_DIR.format(step)}.tmp-{uuid.uuid4().hex[:12]}")
+        name = self._agree(self._target_name(step) if self._rank == 0 else None)
         self._thread = threading.Thread(target=self._write, args=(step, name, chunks, objects),
                                         name="ckptool-async-save", daemon=True)
         self._thread.start()
@@ -203,11 +203,11 @@ class AsyncCheckpointer:
                                 true_vocab_size=self.true_vocab_size)
             write_manifest(tmp, manifest)
             final = self.root.child(STEP_DIR.format(step))
-            if final.exists():
-                final.fs.rm(final.root, recursive=True)
             if tmp.is_local:
+                if final.exists():
+                    final.fs.rm(final.root, recursive=True)
                 os.rename(tmp.root, final.root)
-            else:  # object stores: the manifest already is the commit marker
+            else:  # object stores: written in place; the manifest is the commit marker
                 final = tmp
             self._retain(final)
             logger.info("[rank %s] committed %s", self._rank, final.url)
@@ -228,6 +228,20 @@ class AsyncCheckpointer:
                 cand.store.fs.rm(cand.store.root, recursive=True)
 
     # ------------------------------------------------------------------ coordination
+
+    def _target_name(self, step: int) -> str:
+        """Where this save writes (rank 0 decides). Local: a temporary directory renamed on
+        commit. Object stores have no atomic rename: the final prefix itself, emptied first,
+        whose manifest, written last, is the commit marker (readers skip it until then)."""
+        final = STEP_DIR.format(step)
+        if self.root.is_local:
+            return f"{final}.tmp-{uuid.uuid4().hex[:12]}"
+        target = self.root.child(final)
+        if target.exists():  # a re-save of this step after a restart: uncommit it first
+            if target.exists(MANIFEST):
+                target.fs.rm(target.path(MANIFEST))
+            target.fs.rm(target.root, recursive=True)
+        return final
 
     def _agree(self, value: str) -> str:
         return self._broadcast(value)
