@@ -18,6 +18,11 @@ _EXPORTS = {
     "latest": "ckptool.ops.latest",
     "LatestResult": "ckptool.ops.latest",
     "verify": "ckptool.ops.verify",
+    "plan": "ckptool.ops.plan",
+    "PlanResult": "ckptool.ops.plan",
+    "reshard": "ckptool.ops.reshard",
+    "convert": "ckptool.ops.reshard",
+    "ReshardResult": "ckptool.ops.reshard",
     "VerifyReport": "ckptool.ops.verify",
 }
 

@@ -306,7 +306,7 @@ class FormatType(click.ParamType):
 @click.option("--megatron-names", type=click.Choice(["mcore-local", "mcore-te", "legacy"]),
               help="Tensor names of a megatron target: Megatron-Core local or Transformer Engine "
                    "spec, or pre-mcore (Megatron-DeepSpeed). Default: the source's, else mcore-local.")
-@click.option("--model-family", type=click.Choice(["llama", "gpt2"]),
+@click.option("--model-family", type=click.Choice(["llama", "gpt", "gpt2"]),
               help="Hugging Face model family, when config.json or the model does not say.")
 @click.option("--max-shard-size", type=ByteSize(), help="hf: largest safetensors file, e.g. 5GB, 500MB.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
@@ -326,9 +326,81 @@ def convert(src, dst, to_format, tp, pp, dp, megatron_names, model_family, max_s
     out = Output(as_json, quiet)
     res = run(src, dst, to_format=to_format, to={"tp": tp, "pp": pp, "dp": dp}, workers=workers,
               dry_run=dry_run, overwrite=overwrite, true_vocab_size=true_vocab_size,
-              drop_optimizer=drop_optimizer, names=megatron_names, model_family=model_family,
+              drop_optimizer=drop_optimizer, names=megatron_names,
+              model_family="gpt2" if model_family == "gpt" else model_family,
               options={"max_shard_size": max_shard_size, "dtype": dtype})
     _render_rewrite(out, res, "converted")
+
+
+@cli.command()
+@click.option("--gpus", type=_SIZE, required=True, help="GPUs of the job.")
+@click.option("--tp", type=_SIZE, required=True, help="Tensor-parallel size.")
+@click.option("--pp", type=_SIZE, required=True, help="Pipeline-parallel size.")
+@click.option("--model", "model_path", metavar="CONFIG",
+              help="HF config.json, Megatron args (JSON) or a checkpoint.")
+@click.option("--params", help="Parameter count instead of a model, e.g. 70B, 175B.")
+@click.option("--zero", type=click.IntRange(0, 3), default=1, show_default=True,
+              help="ZeRO stage for the checkpoint cost.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
+              help="Training dtype (bf16/fp16: mixed precision with fp32 masters).")
+@click.option("--gpu-mem", type=ByteSize(), help="GPU memory, e.g. 80GB: marks what fits.")
+@click.option("--gpus-per-node", type=_SIZE, default=8, show_default=True)
+@click.option("--h2d-gbps", type=float, default=20.0, show_default=True,
+              help="Device-to-host copy GB/s (pinned memory) for the save stall.")
+@click.option("--storage-gbps", type=float, default=10.0, show_default=True,
+              help="Aggregate storage write GB/s.")
+@click.option("--from", "from_ckpt", metavar="CKPT",
+              help="A checkpoint: list the topologies it reshards to for --gpus.")
+@_output_options
+def plan(gpus, tp, pp, model_path, params, zero, dtype, gpu_mem, gpus_per_node, h2d_gbps,
+         storage_gbps, from_ckpt, as_json, quiet):
+    """Topology math, per-GPU memory per ZeRO stage, checkpoint cost, restart options.
+
+    \b
+    ckptool plan --gpus 32 --tp 8 --pp 2 --params 175B --zero 2 --gpu-mem 80GB
+    ckptool plan --gpus 64 --tp 8 --pp 4 --model llama-70b/config.json
+    ckptool plan --gpus 24 --tp 8 --pp 2 --from /pfs/run     # restart on fewer nodes
+    """
+    from ckptool.core.errors import UsageError
+    from ckptool.ops.plan import model_from, parse_count
+    from ckptool.ops.plan import plan as run
+
+    out = Output(as_json, quiet)
+    spec = source = source_topo = None
+    if model_path:
+        spec, _ = model_from(model_path)
+    if from_ckpt:
+        source, source_topo = model_from(from_ckpt)
+        spec = spec or source
+    if spec is None and not params:
+        raise UsageError("give the model: --model CONFIG, --params N or --from CKPT")
+    res = run(gpus, tp, pp, params=parse_count(params) if params and spec is None else None,
+              spec=spec, zero=zero, dtype=dtype, gpu_mem_gb=gpu_mem / 1e9 if gpu_mem else None,
+              gpus_per_node=gpus_per_node, h2d_gbps=h2d_gbps, storage_gbps=storage_gbps,
+              source=source, source_topology=source_topo)
+    for w in res.warnings:
+        out.note(f"warning: {w}")
+    lines = [f"{gpus} GPUs = TP{tp} x PP{pp} x DP{res.dp}; {res.params / 1e9:.2f}B parameters, "
+             f"{res.params_per_gpu / 1e9:.3f}B on the busiest GPU ({dtype})",
+             "", f"  {'per GPU (GB)':<17} {'weights':>8} {'grads':>8} {'optimizer':>10} {'total':>8}"
+             + ("  fits" if gpu_mem else "")]
+    for r in res.memory:
+        fits = "" if r.fits is None else ("  yes" if r.fits else "  NO")
+        lines.append(f"  {r.strategy:<17} {r.weights_gb:>8.2f} {r.grads_gb:>8.2f} {r.optimizer_gb:>10.2f} "
+                     f"{r.total_gb:>8.2f}{fits}")
+    lines.append("  (training state only: add activations and buffers)")
+    c = res.checkpoint
+    lines += ["", f"checkpoint: {_size(c.bytes)} (weights + fp32 master + Adam); the busiest rank "
+                  f"stages {_size(c.per_gpu_bytes)} (ZeRO-{zero})",
+              f"  async save stalls ~{c.stall_s:.2f} s at {h2d_gbps:g} GB/s device-to-host; "
+              f"writing takes ~{c.write_s:.0f} s at {storage_gbps:g} GB/s"]
+    if res.restarts:
+        lines += ["", f"restart topologies for {gpus} GPUs:"]
+        for r in res.restarts[:12]:
+            tags = [t for t, on in (("same TP/PP", r["same_model_parallel"]),
+                                    ("TP across nodes", not r["within_node"])) if on]
+            lines.append(f"  TP{r['tp']} x PP{r['pp']} x DP{r['dp']}" + (f"  ({', '.join(tags)})" if tags else ""))
+    out.result(res, "\n".join(lines))
 
 
 _TARGET_FLAGS = {"--tp": "--to-tp", "--pp": "--to-pp", "--dp": "--to-dp"}

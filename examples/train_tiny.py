@@ -316,6 +316,8 @@ def eval_logits(model: Stage) -> torch.Tensor | None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--save", required=True, help="run root for checkpoints (path or fsspec URL), as Megatron's --save")
+    ap.add_argument("--load", help="resume from this run root instead of --save's (e.g. one "
+                    "resharded offline); saves still go to --save")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--dp", type=int, default=None, help="default: world / (tp * pp)")
@@ -355,7 +357,7 @@ def main(argv=None) -> int:
 
     ckpt = AsyncCheckpointer(args.save, keep_last=args.keep_last, topology=topo.to_dict(),
                              model_config=asdict(SPEC), true_vocab_size=SPEC.vocab_size)
-    resumed = ckpt.load_latest(state)
+    resumed = ckpt.load_latest(state, root=args.load)
     start = (state["step"] if resumed is not None else 0) + 1
     logger = None
     if args.loss_log and G.last and G.tp_rank == 0 and G.dp_rank == 0:

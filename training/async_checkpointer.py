@@ -103,11 +103,12 @@ class AsyncCheckpointer:
             error, self._error = self._error, None
             raise error
 
-    def load_latest(self, state: dict) -> int | None:
+    def load_latest(self, state: dict, root: str | None = None) -> int | None:
         """Fill ``state`` in place from the newest checkpoint that verifies; its step, or None.
 
         Every local box is read from whichever stored chunks overlap it, so the checkpoint
-        may come from any number of ranks in any layout.
+        may come from any number of ranks in any layout. ``root`` loads from another run
+        root (e.g. one resharded offline) instead of this checkpointer's.
         """
         from ckptool.core.errors import NoCheckpoint
         from ckptool.ops.latest import latest
@@ -115,7 +116,7 @@ class AsyncCheckpointer:
         path = None
         if self._rank == 0:
             try:
-                path = latest(self.root.url).path
+                path = latest(str(root) if root else self.root.url).path
             except NoCheckpoint:
                 path = None
         path = self._broadcast(path)

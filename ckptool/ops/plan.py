@@ -1,0 +1,239 @@
+"""``ckptool plan``: pick a TP x PP x DP topology for a GPU count and see what it costs.
+
+* Topology math: ``dp = gpus / (tp * pp)``; every rule that fails is listed (GPUs not
+  divisible, heads / query groups / ffn vs TP, layers vs PP); TP beyond one node warns.
+* Memory per GPU for training state, the standard accounting for mixed-precision Adam
+  (bytes per parameter: 2 weights + 2 gradients + 12 optimizer = 4 fp32 master + 4 + 4
+  moments; with ``--dtype fp32``: 4 + 4 + 8). A GPU holds ``p`` parameters, its TP x PP
+  share (with a model config: the heaviest stage, embeddings included). What each
+  strategy shards over DP:
+
+  ==============  ===========================================
+  ZeRO-0          ``(2 + 2 + 12) p``
+  ZeRO-1          ``(2 + 2) p + 12 p / dp``
+  ZeRO-2          ``2 p + (2 + 12) p / dp``
+  ZeRO-3          ``(2 + 2 + 12) p / dp``
+  Megatron dist.  ``(2 + 4) p + 12 p / dp`` (fp32 main gradients, Megatron's own table)
+  ==============  ===========================================
+
+  Activations and buffers are not counted.
+* Checkpoint size (weights in the training dtype plus fp32 master and Adam moments), the
+  stall of an async save (the busiest rank's bytes over ``--h2d-gbps``) and the background
+  write (everything over ``--storage-gbps``, the aggregate bandwidth).
+* ``--from CKPT``: the topologies that checkpoint can be resharded to for ``--gpus``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field, replace
+
+from ckptool.core.errors import TopologyError, UsageError
+from ckptool.core.layout import ModelSpec, global_params, layout, stage_layers
+from ckptool.core.topology import Topology
+
+STRATEGIES = ("zero0", "zero1", "zero2", "zero3", "megatron-distopt")
+GB = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRow:
+    strategy: str
+    weights_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    total_gb: float
+    fits: bool | None
+    """Against --gpu-mem (None when not given)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointCost:
+    bytes: int
+    per_gpu_bytes: int
+    """What the busiest rank stages and writes."""
+    stall_s: float
+    write_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PlanResult:
+    gpus: int
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    dtype: str
+    params: int
+    params_per_gpu: int
+    memory: list[MemoryRow] = field(default_factory=list)
+    checkpoint: CheckpointCost | None = None
+    warnings: list[str] = field(default_factory=list)
+    restarts: list[dict] = field(default_factory=list)
+    """With --from: topologies the checkpoint reshards to for --gpus."""
+    model: dict | None = None
+
+
+def bytes_per_param(dtype: str) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer) bytes per parameter."""
+    return (2, 2, 12) if dtype in ("bf16", "fp16") else (4, 4, 8)
+
+
+def memory_rows(p: int, dp: int, dtype: str, gpu_mem_gb: float | None) -> list[MemoryRow]:
+    w, g, o = bytes_per_param(dtype)
+    main_grad = 4  # Megatron keeps fp32 main gradients
+    shares = {
+        "zero0": (w, g, o),
+        "zero1": (w, g, o / dp),
+        "zero2": (w, g / dp, o / dp),
+        "zero3": (w / dp, g / dp, o / dp),
+        "megatron-distopt": (w, main_grad, o / dp),
+    }
+    rows = []
+    for name in STRATEGIES:
+        a, b, c = (x * p / GB for x in shares[name])
+        total = a + b + c
+        rows.append(MemoryRow(name, round(a, 3), round(b, 3), round(c, 3), round(total, 3),
+                              None if gpu_mem_gb is None else total <= gpu_mem_gb))
+    return rows
+
+
+def plan(gpus: int, tp: int, pp: int, *, params: int | None = None, spec: ModelSpec | None = None,
+         zero: int = 1, dtype: str = "bf16", gpu_mem_gb: float | None = None,
+         gpus_per_node: int = 8, h2d_gbps: float = 20.0, storage_gbps: float = 10.0,
+         source: ModelSpec | None = None, source_topology: Topology | None = None) -> PlanResult:
+    """The plan for ``gpus`` at TP ``tp`` x PP ``pp``; raises TopologyError listing every
+    rule that fails."""
+    if spec is None and params is None:
+        raise UsageError("give the model: --model CONFIG (HF config.json, Megatron args or a "
+                         "checkpoint) or --params N")
+    problems = []
+    if gpus % (tp * pp):
+        problems.append(f"{gpus} GPUs are not divisible by TP x PP = {tp} x {pp} = {tp * pp}")
+    dp = max(1, gpus // (tp * pp))
+    if spec is not None:
+        problems += rule_problems(spec, tp, pp)
+    if problems:
+        raise TopologyError("; ".join(problems),
+                            hint="Pick TP dividing heads, query groups and ffn, and PP dividing layers")
+    warnings = []
+    if tp > gpus_per_node:
+        warnings.append(f"TP{tp} spans more than one node of {gpus_per_node} GPUs: its all-reduces "
+                        "leave NVLink for the inter-node network")
+    if spec is not None:
+        total, per_gpu = count_params(spec, tp, pp)
+    else:
+        total, per_gpu = params, -(-params // (tp * pp))
+    w, _, o = bytes_per_param(dtype)
+    size = total * (w + o)
+    share = {0: w + o, 1: w + o / dp, 2: w + o / dp, 3: (w + o) / dp}[zero]
+    busiest = int(per_gpu * share)
+    cost = CheckpointCost(int(size), busiest, round(busiest / (h2d_gbps * GB), 3),
+                          round(size / (storage_gbps * GB), 1))
+    restarts = []
+    if source is not None:
+        restarts = restart_options(source, gpus, gpus_per_node, source_topology)
+    return PlanResult(gpus, tp, pp, dp, zero, dtype, int(total), int(per_gpu),
+                      memory_rows(per_gpu, dp, dtype, gpu_mem_gb), cost, warnings, restarts,
+                      asdict(spec) if spec is not None else None)
+
+
+def rule_problems(spec: ModelSpec, tp: int, pp: int) -> list[str]:
+    """Every layout rule ``(tp, pp)`` breaks for ``spec`` (the rules reshard enforces)."""
+    problems = []
+    if spec.num_attention_heads % tp:
+        problems.append(f"{spec.num_attention_heads} attention heads are not divisible by TP{tp}")
+    if spec.groups % tp and spec.groups != spec.num_attention_heads:
+        problems.append(f"{spec.groups} query groups (kv heads) are not divisible by TP{tp}")
+    if spec.ffn % tp:
+        problems.append(f"ffn_hidden_size {spec.ffn} is not divisible by TP{tp}")
+    try:
+        stage_layers(spec, pp)
+    except TopologyError as exc:
+        problems.append(exc.message)
+    return problems
+
+
+def count_params(spec: ModelSpec, tp: int, pp: int) -> tuple[int, int]:
+    """(total parameters, parameters on the heaviest GPU), from the layout rules."""
+    padded = replace(spec, vocab_rows=spec.padded_vocab(tp))
+    ranks = layout(padded, Topology(tp=tp, pp=pp))
+    per_rank = [sum(math.prod(t.shard.shape) for t in r.tensors) for r in ranks]
+    total = sum(math.prod(p.shape) for p in global_params(padded))
+    return total, max(per_rank)
+
+
+def restart_options(spec: ModelSpec, gpus: int, gpus_per_node: int,
+                    current: Topology | None) -> list[dict]:
+    """Every TP x PP x DP for ``gpus`` that the model's layout rules allow."""
+    out = []
+    for tp in range(1, gpus + 1):
+        if gpus % tp:
+            continue
+        for pp in range(1, gpus // tp + 1):
+            if (gpus // tp) % pp or rule_problems(spec, tp, pp):
+                continue
+            out.append({"tp": tp, "pp": pp, "dp": gpus // (tp * pp),
+                        "within_node": tp <= gpus_per_node,
+                        "same_model_parallel": current is not None and (tp, pp) == (current.tp, current.pp)})
+    out.sort(key=lambda r: (not r["same_model_parallel"], not r["within_node"], r["pp"], -r["tp"]))
+    return out
+
+
+def parse_count(text: str) -> int:
+    """``175B``, ``70b``, ``1.3B``, ``350M``, ``7e9`` -> parameters."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([KMBT]?)\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise UsageError(f"{text!r} is not a parameter count", hint="Use e.g. 70B, 1.3B, 350M")
+    scale = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}[m.group(2).upper()]
+    return int(float(m.group(1)) * scale)
+
+
+def model_from(path: str) -> tuple[ModelSpec, Topology | None]:
+    """The model of an HF ``config.json``, a Megatron args file (JSON) or any checkpoint."""
+    from ckptool.core.storage import Store
+
+    store = Store.open(path)
+    if not store.isdir() and store.exists():
+        try:
+            config = json.loads(store.read_bytes(""))
+        except ValueError:
+            raise UsageError("--model is neither JSON nor a checkpoint directory", path=path) from None
+        return _spec_from_json(config, path), None
+    from ckptool.checkpoint import open_checkpoint
+
+    index = open_checkpoint(path).index
+    if index.model_config is None:
+        raise UsageError("the checkpoint does not say what model it holds", path=path,
+                         hint="Give --params N or a config.json")
+    return ModelSpec(**index.model_config), index.topology
+
+
+def _spec_from_json(config: dict, path: str) -> ModelSpec:
+    if "model_type" in config or "architectures" in config:
+        from converters.hf import _ARCHITECTURES, _MODEL_TYPES, spec_from_config
+
+        family = _MODEL_TYPES.get(str(config.get("model_type"))) or next(
+            (_ARCHITECTURES[a] for a in config.get("architectures") or () if a in _ARCHITECTURES), None)
+        if family is None:
+            raise UsageError(f"unknown model_type {config.get('model_type')!r}", path=path,
+                             hint="Give --params N")
+        return spec_from_config(config, family)
+    if "num_layers" in config:  # Megatron args as JSON
+        import argparse
+
+        from converters.megatron_common import spec_from_args
+
+        args = argparse.Namespace(**config)
+        if not hasattr(args, "padded_vocab_size"):
+            args.padded_vocab_size = config.get("vocab_size")
+        return spec_from_args(args)[0]
+    if all(k in ModelSpec.__dataclass_fields__ for k in config):
+        return ModelSpec(**config)
+    raise UsageError("--model JSON is not an HF config, Megatron args or a ckptool model config",
+                     path=path)
+
+
+__all__ = ["plan", "PlanResult", "MemoryRow", "CheckpointCost", "parse_count", "model_from"]

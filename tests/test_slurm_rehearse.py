@@ -1,0 +1,54 @@
+"""examples/slurm/rehearse.sh: the Slurm restart flow on one machine (CPU torchrun, gloo):
+train at 4 ranks, crash, corrupt the newest checkpoint, restart at 2 ranks, resume from the
+previous good one, with the same prelaunch logic train.sbatch uses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rehearse(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PY=sys.executable, RESHARD_MODE=mode, PORT=str(free_port()))
+    return subprocess.run(["bash", str(ROOT / "examples" / "slurm" / "rehearse.sh"), str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=900)
+
+
+@pytest.mark.parametrize("mode", ["hook", pytest.param("offline", marks=pytest.mark.slow)])
+def test_rehearsal_resumes_from_the_previous_good_checkpoint(tmp_path, mode):
+    proc = rehearse(tmp_path, mode)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rehearsal passed" in proc.stdout
+    losses = [json.loads(line) for line in (tmp_path / "loss.jsonl").read_text().splitlines()]
+    by_step: dict[int, list[float]] = {}
+    for d in losses:
+        by_step.setdefault(d["step"], []).append(d["loss"])
+    # Steps redone after the restart (on the new topology) give the losses of the first run.
+    redone = {s: v for s, v in by_step.items() if len(v) == 2}
+    assert redone, by_step
+    for step, (first, again) in redone.items():
+        assert abs(first - again) <= 1e-5 * abs(first), (step, first, again)
+    assert max(by_step) == 10
+
+
+def test_prelaunch_refuses_a_run_with_no_valid_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    (run / "step_00000002").mkdir(parents=True)  # something saved, nothing valid
+    script = (f"source {ROOT}/examples/slurm/prelaunch.sh; prelaunch {run} 1 1 1; echo launched")
+    env = dict(os.environ, CKPTOOL=f"{sys.executable} -m ckptool", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 3 and "launched" not in proc.stdout
+    assert "none is valid" in proc.stderr
+    fresh = tmp_path / "fresh"
+    proc = subprocess.run(["bash", "-c", script.replace(str(run), str(fresh))], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and "starting fresh" in proc.stdout and "launched" in proc.stdout
