@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -37,6 +38,7 @@ from ckptool.core.regions import Shard, byte_runs
 from ckptool.core.torchfile import Pending, TensorRef, TorchFile
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
+from converters import megatron_distopt as distopt
 from converters import megatron_optimizer as optim
 from converters.megatron_common import (ITER_DIR, SCHEMAS, TRACKER, detect_schema, iteration_dir,
                                         parameter_order, params_by_key, source_dtype, target_spec, spec_from_args, to_canonical,
@@ -47,11 +49,14 @@ SCHEMA_KEY = "megatron.schema"
 OPTIMIZER_KEY = "megatron.optimizer"
 """Why the source's optimizer state cannot be carried (absent when it can, or there is none)."""
 OPTIMIZER_LAYOUT_KEY = "megatron.optimizer.layout"
+DISTOPT_KEY = "megatron.optimizer.distributed"
+"""The distributed optimizer's non-tensor state (:class:`megatron_distopt.Meta`)."""
 MODEL_PATH = "@model"
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
                        "mlp.linear_fc2")
 """Megatron-Core modules that carry an ``_extra_state`` entry (the linears)."""
 OPTIM_PATH = "@optim"
+DISTOPT_PATH = "@distopt"
 DISTRIB_OPTIM = "distrib_optim.pt"
 _LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -115,7 +120,7 @@ class MegatronReader(Reader):
             except UnreadableInput:
                 raise BadCheckpoint("rank file is missing", path=store.display(rel)) from None
             archive = TorchFile(read, read.size, store.display(rel))
-            if not isinstance(archive.obj, dict):
+            if not isinstance(archive.obj, dict) and not rel.endswith(DISTRIB_OPTIM):
                 raise BadCheckpoint("rank file does not hold a dict", path=store.display(rel))
             self._files[rel] = archive
         return self._files[rel]
@@ -166,7 +171,7 @@ class MegatronReader(Reader):
             if "rng_state" in data:
                 index.objects[f"rank.{f.tp:02d}_{f.pp:03d}.rng_state"] = ObjectInfo(
                     "rng_state", value=archive.materialize(data["rng_state"]))
-            mapped = {}  # "chunk/local name" -> (canonical, replica, shape)
+            mapped = {}  # "chunk/local name" -> (canonical, replica, shape, dtype)
             for chunk_key, chunk in _model_chunks(data, topo.vpp):
                 flat = _flatten(data[chunk_key])
                 schema = detect_schema(flat)
@@ -181,10 +186,15 @@ class MegatronReader(Reader):
                     canonical, replica = to_canonical(schema, local_name, layers, spec.tied_embeddings)
                     _add_piece(index, params, canonical, replica, f, (MODEL_PATH, chunk_key, local_name),
                                value, padded, topo, store)
-                    mapped[f"{chunk_key}/{local_name}"] = (canonical, replica, tuple(value.shape))
+                    mapped[f"{chunk_key}/{local_name}"] = (canonical, replica, tuple(value.shape),
+                                                           value.dtype)
             self._read_optimizer(store, index, f, data, mapped, params, padded, topo)
-        if OPTIMIZER_KEY in index.objects:
+        if OPTIMIZER_KEY in index.objects:  # nothing half-mapped: the reason says why
+            index.unmapped = index.objects[OPTIMIZER_KEY].value
             index.objects.pop(OPTIMIZER_LAYOUT_KEY, None)
+            index.objects.pop(DISTOPT_KEY, None)
+            for key in [k for k in index.tensors if k.startswith(optim.PREFIX)]:
+                del index.tensors[key]
         for key, info in index.tensors.items():
             if not info.pieces:
                 raise BadCheckpoint("tensor has only replicas, no primary copy", path=store.url, key=key)
@@ -192,14 +202,17 @@ class MegatronReader(Reader):
 
     def _read_optimizer(self, store, index, f, data, mapped, params, padded, topo) -> None:
         """Map this rank's optimizer state to parameters, or record why it cannot be."""
-        if store.exists(f.rel.rsplit("/", 1)[0] + "/" + DISTRIB_OPTIM):
-            index.objects.setdefault(OPTIMIZER_KEY, ObjectInfo(
-                OPTIMIZER_KEY, value="Megatron's distributed optimizer (distrib_optim.pt) is not "
-                                 "supported yet"))
+        rel = f.rel.rsplit("/", 1)[0] + "/" + DISTRIB_OPTIM
+        if store.exists(rel):
+            try:
+                self._read_distributed_optimizer(store, index, f, rel, data, mapped, params,
+                                                 padded, topo)
+            except UnreadableInput as exc:
+                index.objects.setdefault(OPTIMIZER_KEY, ObjectInfo(OPTIMIZER_KEY, value=exc.one_line()))
             return
         if not data.get("optimizer"):
             return
-        names = [(n, len(shape), shape) for n, (_, _, shape) in mapped.items()]
+        names = [(n, len(shape), shape) for n, (_, _, shape, _) in mapped.items()]
         try:
             layout_ = optim.read(data["optimizer"], names, store.display(f.rel),
                                  self._load(store, f.rel).materialize)
@@ -207,7 +220,7 @@ class MegatronReader(Reader):
             index.objects.setdefault(OPTIMIZER_KEY, ObjectInfo(OPTIMIZER_KEY, value=exc.message))
             return
         for name, paths in layout_.tensors.items():
-            canonical, replica, _ = mapped[name]
+            canonical, replica, _, _ = mapped[name]
             for kind, path in paths.items():
                 ref = _resolve(data, path)
                 _add_piece(index, params, canonical, replica, f, path, ref, padded, topo, store,
@@ -220,6 +233,52 @@ class MegatronReader(Reader):
         elif saved.value.step != meta.step or saved.value.fp16 != meta.fp16:
             index.objects.setdefault(OPTIMIZER_KEY, ObjectInfo(
                 OPTIMIZER_KEY, value="optimizer state that differs between ranks (step or kind)"))
+
+    def _read_distributed_optimizer(self, store, index, f, rel, data, mapped, params, padded,
+                                    topo) -> None:
+        """Map this rank's distrib_optim.pt to parameters (see :mod:`megatron_distopt`): each
+        parameter's slice of the file's vectors is its TP shard, like the weight's."""
+        source = store.display(rel)
+        archive = self._load(store, rel)
+        index.files[rel] = 1
+        args = index.objects["args"].value
+        spec = ModelSpec(**index.model_config)
+        schema = index.objects[SCHEMA_KEY].value
+        chunks: dict[str, list[distopt.Param]] = {}
+        for uname, (canonical, _, shape, dtype) in mapped.items():
+            chunk_key, name = uname.split("/", 1)
+            chunks.setdefault(chunk_key, []).append(distopt.Param(
+                uname, math.prod(shape), dtype,
+                distopt.shared_embedding(canonical, spec.tied_embeddings, topo.pp)))
+        ordered = []
+        for chunk_key, entries in chunks.items():
+            rule = sorted(entries, key=lambda p: parameter_order(schema, p.name.split("/", 1)[1]))
+            if rule != entries:
+                raise UnreadableInput(f"the parameters of {chunk_key} are not in the order of "
+                                      "Megatron's named_parameters() that ckptool knows, which "
+                                      "distrib_optim.pt follows", path=source)
+            ordered.append(entries)
+        buffers = distopt.layout(ordered, args, topo.dp, f.pp)
+        keys = distopt.check_file(archive.obj, buffers, source)
+        state = distopt.check_state(data.get("optimizer"), store.display(f.rel))
+        for i, (buffer, key) in enumerate(zip(buffers, keys)):
+            for uname, offset in buffer.offsets.items():
+                canonical, replica, _, _ = mapped[uname]
+                for kind, file_key in distopt.FILE_KEYS.items():
+                    path = (i, key, file_key)
+                    _add_piece(index, params, canonical, replica, f, path, _resolve(archive.obj, path),
+                               padded, topo, store, key=optim.state_key(kind, canonical),
+                               file=rel, base=offset)
+        meta = distopt.Meta({k[0]: k for k in keys}, self._load(store, f.rel).materialize(state))
+        saved = index.objects.get(DISTOPT_KEY)
+        if saved is None:
+            index.objects[DISTOPT_KEY] = ObjectInfo(DISTOPT_KEY, value=meta)
+        elif _steps(saved.value.state) != _steps(meta.state) or any(
+                saved.value.keys.get(d, k) != k for d, k in meta.keys.items()):
+            raise UnreadableInput("ranks disagree on the optimizer step or grad buffer dtypes",
+                                  path=source)
+        else:
+            saved.value.keys.update(meta.keys)
 
     def _ref(self, store: Store, piece: Piece) -> tuple[TorchFile, TensorRef, int]:
         path, offset = piece.location.detail
@@ -254,19 +313,32 @@ def _resolve(obj: Any, path: tuple) -> Any:
     return obj
 
 
-def _add_piece(index, params, canonical, replica, f, path, value, padded, topo, store, key=None):
+def _steps(state: dict) -> list:
+    """The step of each param group of a distributed optimizer's state dict."""
+    return [g.get("step") for g in state["optimizer"]["param_groups"]]
+
+
+def _add_piece(index, params, canonical, replica, f, path, value, padded, topo, store, key=None,
+               file=None, base=None):
+    """Record ``value`` (at ``path`` in ``file``, default the rank file) as the TP shard of
+    ``canonical`` this rank holds; with ``base``, the shard is the flat slice of ``value``
+    that starts there (distributed optimizer vectors)."""
     from ckptool.core.layout import split
 
+    file = file or f.rel
     param = params.get(canonical) if canonical else None
     if param is None:
         raise BadCheckpoint(f"tensor {path[-1]!r} does not fit the model described by args",
-                            path=store.display(f.rel), key=canonical)
+                            path=store.display(file), key=canonical)
     if not isinstance(value, TensorRef):
-        raise BadCheckpoint("expected a tensor", path=store.display(f.rel), key=str(path[-1]))
+        raise BadCheckpoint("expected a tensor", path=store.display(file), key=str(path[-1]))
     shard = split(param, f.tp, topo.tp, padded)
-    if tuple(value.shape) != shard.shape:
+    if base is None and tuple(value.shape) != shard.shape:
         raise BadCheckpoint(f"local tensor is {list(value.shape)}, the layout from args says "
-                            f"{list(shard.shape)}", path=store.display(f.rel), key=str(path[-1]))
+                            f"{list(shard.shape)}", path=store.display(file), key=str(path[-1]))
+    if base is not None and base + math.prod(shard.shape) > value.numel:
+        raise BadCheckpoint(f"the slice of {canonical} ends past the stored vector",
+                            path=store.display(file), key=str(path[-1]))
     key = key or canonical
     info = index.tensors.get(key)
     if info is None:
@@ -275,7 +347,7 @@ def _add_piece(index, params, canonical, replica, f, path, value, padded, topo, 
     for offset, region in shard.parts:
         if key != canonical:
             region = replace(region, key=key)
-        copies.append(Piece(region, Location(f.rel, detail=(path, offset))))
+        copies.append(Piece(region, Location(file, detail=(path, (base or 0) + offset))))
 
 
 def _check_schema(schema: str, spec: ModelSpec, version, source: str) -> None:
@@ -361,6 +433,7 @@ class MegatronWriter(Writer):
     """Writes a legacy Megatron run root: tracker + ``iter_*/mp_rank_*/model_optim_rng.pt``."""
 
     name = NAME
+    _layout_note: str | None = None
 
     def target_spec(self, index: CheckpointIndex, source: Topology, target: Topology,
                     true_vocab_size: int | None) -> ModelSpec:
@@ -371,15 +444,11 @@ class MegatronWriter(Writer):
 
     def notes(self, index: CheckpointIndex) -> list[str]:
         """What a user resuming from the output must know."""
+        notes = [self._layout_note] if self._layout_note else []
         if not any(k.endswith(".rng_state") for k in index.objects):
-            return ["the source has no RNG state, so none is written: resume with Megatron's "
-                    "--no-load-rng"]
-        return []
-
-    def unsupported_state(self, index: CheckpointIndex) -> str | None:
-        """State in the source that this writer cannot carry (the caller must not drop it silently)."""
-        obj = index.objects.get(OPTIMIZER_KEY)
-        return obj.value if obj else None
+            notes.append("the source has no RNG state, so none is written: resume with Megatron's "
+                         "--no-load-rng")
+        return notes
 
     def source_schema(self, opened) -> str:
         obj = opened.index.objects.get(SCHEMA_KEY) if opened.format == NAME else None
@@ -393,22 +462,30 @@ class MegatronWriter(Writer):
         it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)
         stages = stage_layers(spec, topo.pp, topo.vpp)
         optim_layout = index.objects.get(OPTIMIZER_LAYOUT_KEY) if with_optimizer else None
+        distributed = index.objects.get(DISTOPT_KEY) if with_optimizer else None
         files = []
         for rank in layout(spec, topo):
-            target = TargetFile(f"{it_dir}/{rank_dir(rank.tp_rank, rank.pp_rank, topo.pp)}/{FILE}",
+            rank_path = f"{it_dir}/{rank_dir(rank.tp_rank, rank.pp_rank, topo.pp)}"
+            target = TargetFile(f"{rank_path}/{FILE}",
                                 context={"tp": rank.tp_rank, "pp": rank.pp_rank, "schema": schema,
                                          "spec": spec, "topo": topo,
-                                         "optimizer": optim_layout.value if optim_layout else None})
+                                         "optimizer": optim_layout.value if optim_layout else None,
+                                         "distopt_state": distributed.value.state if distributed
+                                         else None})
             named = []
             for t in rank.tensors:
                 layers = stages[rank.pp_rank][t.chunk]
                 name = SCHEMAS[schema].from_canonical(t.name, layers, rank.pp_rank, topo.pp, t.replica)
                 named.append((t.chunk, parameter_order(schema, name), name, t))
-            for chunk, _, name, t in sorted(named, key=lambda x: (x[0], x[1])):
+            named.sort(key=lambda x: (x[0], x[1]))
+            for chunk, _, name, t in named:
                 chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
                 target.tensors.append(TargetTensor((chunk_key, name), t.shard, source_dtype(index, _key(t))))
+            if distributed is not None:
+                files.append(self._distopt_file(f"{rank_path}/{DISTRIB_OPTIM}", index, named,
+                                                distributed.value, spec, topo, rank.pp_rank))
             if optim_layout is not None:
-                for chunk, _, name, t in sorted(named, key=lambda x: (x[0], x[1])):
+                for chunk, _, name, t in named:
                     chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
                     for kind in optim.KINDS[:3 if optim_layout.value.fp16 else 2]:
                         shard = Shard(t.shard.shape, tuple(
@@ -419,10 +496,61 @@ class MegatronWriter(Writer):
             files.append(target)
         return files
 
+    def _distopt_file(self, path: str, index: CheckpointIndex, named: list, meta: distopt.Meta,
+                      spec: ModelSpec, topo: Topology, pp_rank: int) -> TargetFile:
+        """The distrib_optim.pt of one target rank: the source's optimizer vectors, laid out
+        by Megatron's buffer rule for the target's parameters (``named``, in
+        named_parameters() order); the gaps between parameters are zeros, as Megatron's."""
+        chunks: dict[int, list[distopt.Param]] = {}
+        shards = {}
+        for chunk, _, name, t in named:
+            uname = f"{chunk}/{name}"
+            shards[uname] = t.shard
+            chunks.setdefault(chunk, []).append(distopt.Param(
+                uname, math.prod(t.shard.shape), source_dtype(index, _key(t)),
+                distopt.shared_embedding(t.name, spec.tied_embeddings, topo.pp)))
+        args = index.objects["args"].value
+        try:
+            buffers = distopt.layout(list(chunks.values()), args, topo.dp, pp_rank)
+        except UnreadableInput as exc:
+            raise UsageError(f"cannot lay out distrib_optim.pt for the target: {exc.message}",
+                             path=index.url, hint=distopt.HINT) from None
+        unknown = sorted(str(b.dtype) for b in buffers if b.dtype not in meta.keys)
+        if unknown:
+            raise UsageError(f"the source's distrib_optim.pt has no grad buffer of {unknown} "
+                             "parameters to take the buffer's key from", path=index.url,
+                             hint=distopt.HINT)
+        if pp_rank == 0:
+            size = buffers[0].bucket_size
+            self._layout_note = (
+                f"distrib_optim.pt is laid out for DDP buckets of "
+                f"{size if size is not None else 'unlimited'} elements (overlap_grad_reduce="
+                f"{getattr(args, 'overlap_grad_reduce', None)}, ddp_bucket_size="
+                f"{getattr(args, 'ddp_bucket_size', None)}, DP{topo.dp}): resume with the same "
+                "settings, Megatron checks only the total size")
+        target = TargetFile(path, context={"distopt": buffers, "keys": meta.keys})
+        for i, buffer in enumerate(buffers):
+            for kind, file_key in distopt.FILE_KEYS.items():
+                parts = sorted(((offset + off, replace(r, key=optim.state_key(kind, r.key)))
+                                for uname, offset in buffer.offsets.items()
+                                for off, r in shards[uname].parts), key=lambda x: x[0])
+                target.tensors.append(TargetTensor((DISTOPT_PATH, i, file_key),
+                                                   Shard((buffer.numel_unpadded,), tuple(parts)),
+                                                   torch.float32))
+        return target
+
     def write_file(self, store: Store, target: TargetFile, produce, index: CheckpointIndex,
                    true_vocab_size: int | None) -> tuple[int, str]:
         """Stream one rank file: ``produce(target_tensor)`` fills each tensor as it is written."""
         ctx = target.context
+        if "distopt" in ctx:
+            shapes = {t.name: t.shard.shape for t in target.tensors}
+
+            def vector(i, key):
+                name = (DISTOPT_PATH, i, key)
+                return Pending(name, shapes[name], torch.float32)
+
+            return _save(store, target, distopt.build(ctx["distopt"], ctx["keys"], vector), produce)
         topo, spec, schema = ctx["topo"], ctx["spec"], ctx["schema"]
         pending = {t.name: t for t in target.tensors}
         chunks: dict[str, dict] = {}
@@ -459,18 +587,27 @@ class MegatronWriter(Writer):
                 return Pending(t.name, t.shard.shape, t.dtype)
 
             state["optimizer"] = optim.build(params, ctx["optimizer"], placeholder)
+        if ctx["distopt_state"] is not None:
+            state["optimizer"] = copy.deepcopy(ctx["distopt_state"])
         state[MARK] = {"version": VERSION}
-        store.fs.makedirs(store.path(target.path.rsplit("/", 1)[0]), exist_ok=True)
-        with store.open_file(target.path, "wb") as raw:
-            out = HashingWriter(raw)
-            torchfile.save(state, out, lambda p: produce(pending[p.key]))
-            out.fsync()
-        return out.size, out.hexdigest()
+        return _save(store, target, state, produce)
 
     def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
         it = index.iteration if index.iteration is not None else 0
         store.write_bytes(TRACKER, str(it).encode())
         return [TRACKER]
+
+
+def _save(store: Store, target: TargetFile, tree: Any, produce) -> tuple[int, str]:
+    """Stream ``tree`` to ``target.path`` as a torch.save archive; each Pending placeholder
+    in it (named by a target tensor) is produced as it is written."""
+    pending = {t.name: t for t in target.tensors}
+    store.fs.makedirs(store.path(target.path.rsplit("/", 1)[0]), exist_ok=True)
+    with store.open_file(target.path, "wb") as raw:
+        out = HashingWriter(raw)
+        torchfile.save(tree, out, lambda p: produce(pending[p.key]))
+        out.fsync()
+    return out.size, out.hexdigest()
 
 
 def _key(t) -> str:

@@ -24,7 +24,7 @@ from dataclasses import asdict, replace
 import torch
 
 from ckptool.core.dcpfile import METADATA, DcpContainerReader
-from ckptool.core.dcpwrite import DcpFileWriter, write_metadata
+from ckptool.core.dcpwrite import DcpFileWriter, FileRecord, write_metadata
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.layout import VOCAB, ModelSpec, layout
 from ckptool.core.regions import Shard
@@ -183,7 +183,7 @@ class MegatronDistWriter(Writer):
 
     def __init__(self):
         self._target = None
-        self._writers = []
+        self._records: dict = {}
         self._lock = threading.Lock()
         self._shapes: dict[str, tuple] = {}
 
@@ -195,10 +195,9 @@ class MegatronDistWriter(Writer):
                 "--no-load-rng"]
 
     def unsupported_state(self, index) -> str | None:
-        if any(k.startswith(optim.PREFIX) for k in index.tensors) or \
-                index.objects.get("megatron.optimizer"):
+        if any(k.startswith(optim.PREFIX) for k in index.tensors):
             return "writing optimizer state to torch_dist is not implemented yet"
-        return None
+        return index.unmapped
 
     def source_schema(self, opened) -> str:
         return "mcore-te"
@@ -241,14 +240,20 @@ class MegatronDistWriter(Writer):
                         w.add_object(f"{STACKED}{module}._extra_state/shard_{g}_{spec.num_layers}",
                                      [None])
         with self._lock:
-            self._writers.append(w)
+            self._records[target.path] = w.record()
         return w.digest
 
+    def records(self) -> dict:
+        return dict(self._records)
+
+    def absorb(self, records: dict) -> None:
+        self._records.update({path: FileRecord.from_json(r) if isinstance(r, dict) else r
+                              for path, r in records.items()})
+
     def finalize(self, store: Store, index) -> list[str]:
-        first = self._writers[0]
-        it_dir = first.store.root[len(store.root):].strip("/")
+        it_dir = next(iter(self._records)).rsplit("/", 1)[0]
         sub = store.child(it_dir)
-        write_metadata(sub, self._shapes, self._writers)
+        write_metadata(sub, self._shapes, list(self._records.values()))
         sub.write_bytes(METADATA_JSON, json.dumps({
             "sharded_backend": "torch_dist", "sharded_backend_version": 1,
             "common_backend": "torch", "common_backend_version": 1}).encode())

@@ -82,6 +82,9 @@ class CheckpointIndex:
     format_version: str | None = None
     written_by_ckptool: bool = False
     """The format's own metadata carries ckptool's mark: without a manifest it is uncommitted."""
+    unmapped: str | None = None
+    """Why state the source holds could not be mapped to global tensors (e.g. an optimizer
+    layout ckptool cannot derive): every writer refuses it unless it is dropped on request."""
 
 
 class Reader:
@@ -169,11 +172,22 @@ class Writer:
                    true_vocab_size: int | None) -> tuple[int, str]:
         raise NotImplementedError
 
+    def records(self) -> dict[str, Any]:
+        """Per-file facts ``finalize`` needs (e.g. where each chunk went), by file path.
+        Under torchrun each rank writes some files; rank 0 ``absorb``s everyone's records
+        before it finalizes."""
+        return {}
+
+    def absorb(self, records: dict[str, Any]) -> None:
+        """Take the records of files other ranks wrote."""
+
     def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
         return []
 
     def unsupported_state(self, index: CheckpointIndex) -> str | None:
-        return None
+        """State of the source this writer cannot carry; by default what the reader could
+        not map (the caller refuses rather than drop it silently)."""
+        return index.unmapped
 
     def notes(self, index: CheckpointIndex) -> list[str]:
         return []

@@ -1,0 +1,220 @@
+"""Megatron's distributed optimizer state (``distrib_optim.pt``), mapped to parameters.
+
+Not a format: the rules shared by the Megatron reader and writer, written once.
+
+Beside each ``model_optim_rng.pt`` of a (TP, PP) rank, DP rank 0 writes (Megatron-Core
+``DistributedOptimizer.save_parameter_state``, the "coalesced" form used since 2024)::
+
+    {"buckets_coalesced": True,
+     gbuf: {(param_dtype, grad_dtype): {"param": fp32 1-D, "exp_avg": fp32 1-D,
+                                        "exp_avg_sq": fp32 1-D, "numel_unpadded": int}}}
+
+``gbuf`` numbers the grad buffers: model chunk 0's, then chunk 1's (virtual pipeline);
+a chunk has one buffer per parameter dtype, in first-seen ``named_parameters()`` order.
+The file holds no names and no shapes, so the map from parameters to elements is rebuilt
+from Megatron's buffer rule (``_ParamAndGradBuffer``), in file coordinates:
+
+* a buffer holds its parameters in **reverse** ``named_parameters()`` order;
+* each parameter starts at a multiple of 64 elements from its bucket's start; the gaps
+  are stored (as zeros);
+* a bucket closes after the parameter that brings it to ``>= bucket_size`` elements; the
+  tied word embedding at PP > 1 (``shared_embedding``) gets a bucket of its own (the open
+  bucket closes before it, at the 64-aligned start);
+* each bucket's tail padding (to ``lcm(DP, 128)``) is cut out of the file, so buckets
+  follow one another and neither the DP size nor ``pad_buckets_for_high_nccl_busbw``
+  shows;
+* ``bucket_size`` is None (one bucket) unless ``overlap_grad_reduce``; it is also None on
+  pipeline ranks > 0, on virtual chunks > 0 and with
+  ``overlap_param_gather_with_optimizer_step``; otherwise ``ddp_bucket_size``, by default
+  ``max(4e7, 1e6 * DP)`` (DP without context parallelism).
+
+``numel_unpadded`` checks the result. The Adam step and the param groups are in
+``model_optim_rng.pt["optimizer"]`` (``DistributedOptimizer.state_dict()``). What the rule
+cannot fix (missing args, a size that does not add up, expert-parallel or pre-2024 files)
+is refused with the reason, never mapped by guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ckptool.core.errors import UnreadableInput
+from ckptool.core.layout import WORD_EMBEDDINGS
+
+ALIGN = 64
+"""Parameter starts are padded to this many elements from their bucket's start."""
+DEFAULT_BUCKET = 40_000_000
+FILE_KEYS = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+"""Canonical kind (``optimizer.state.<kind>.<param>``) -> key in the file."""
+HINT = "Pass --drop-optimizer to carry the weights only"
+"""For callers that refuse because of these rules (the errors here name only the cause)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """One parameter of a rank file, as the buffer rule needs it."""
+
+    name: str
+    numel: int
+    dtype: torch.dtype
+    shared: bool = False
+    """Megatron's ``shared_embedding`` (see :func:`shared_embedding`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """One grad buffer of a rank: where each parameter starts in the file's tensors."""
+
+    chunk: int
+    dtype: torch.dtype
+    """The parameters' dtype (the first half of the file's key)."""
+    offsets: dict[str, int]
+    numel_unpadded: int
+    bucket_size: int | None
+
+
+@dataclass(slots=True)
+class Meta:
+    """What a writer needs besides the tensors (kept in the index as an object)."""
+
+    keys: dict[torch.dtype, tuple]
+    """Parameter dtype -> the file's ``(param_dtype, grad_dtype)`` key."""
+    state: dict
+    """``model_optim_rng.pt["optimizer"]``: param groups (with the step), grad scaler."""
+
+
+def shared_embedding(canonical: str, tied: bool, pp: int) -> bool:
+    """Megatron marks the word embeddings ``shared_embedding`` (both the first stage's and
+    the last stage's copy) when they are tied to the output layer and PP > 1."""
+    return tied and pp > 1 and canonical == WORD_EMBEDDINGS
+
+
+def bucket_size(args: Any, dp: int, pp_rank: int, chunk: int) -> int | None:
+    """The bucket size of one model chunk's buffers (None: one bucket), from Megatron args.
+
+    Raises UnreadableInput naming the field when the args do not say.
+    """
+    if pp_rank > 0 or chunk > 0:
+        return None
+    if not hasattr(args, "overlap_grad_reduce"):
+        raise UnreadableInput("Megatron args lack overlap_grad_reduce, which decides the "
+                              "bucket boundaries of distrib_optim.pt")
+    if not args.overlap_grad_reduce or getattr(args, "overlap_param_gather_with_optimizer_step",
+                                               False):
+        return None
+    if not hasattr(args, "ddp_bucket_size"):
+        raise UnreadableInput("Megatron args lack ddp_bucket_size, which decides the bucket "
+                              "boundaries of distrib_optim.pt")
+    return int(args.ddp_bucket_size) if args.ddp_bucket_size is not None else \
+        max(DEFAULT_BUCKET, 1_000_000 * dp)
+
+
+def offsets(params: list[Param], size: int | None) -> tuple[dict[str, int], int]:
+    """Where each of ``params`` (one buffer, named_parameters() order) starts in the file's
+    coalesced tensors, and their length (``numel_unpadded``)."""
+    out: dict[str, int] = {}
+    closed = 0  # elements of the closed buckets (tails cut)
+    pos = 0  # next element, from the open bucket's start
+    count = 0  # parameters in the open bucket
+    for p in reversed(params):
+        pos = -(-pos // ALIGN) * ALIGN
+        if p.shared and count:
+            closed, pos, count = closed + pos, 0, 0
+        out[p.name] = closed + pos
+        pos += p.numel
+        count += 1
+        if p.shared or (size is not None and pos >= size):
+            closed, pos, count = closed + pos, 0, 0
+    return out, closed + pos
+
+
+def layout(chunks: list[list[Param]], args: Any, dp: int, pp_rank: int) -> list[Buffer]:
+    """The buffers of one (TP, PP) rank, in the file's order.
+
+    ``chunks`` holds each model chunk's parameters in named_parameters() order; ``dp`` is
+    the data-parallel size without context parallelism. When the args do not fix the buckets, the layout is still known if every size is a multiple of
+    64 (no gaps: the file is the plain reversed concatenation); otherwise it is refused.
+    """
+    buffers = []
+    for chunk, params in enumerate(chunks):
+        try:
+            size = bucket_size(args, dp, pp_rank, chunk)
+        except UnreadableInput as exc:
+            if any(p.numel % ALIGN for p in params):
+                raise UnreadableInput(exc.message + ", and with parameter sizes that are not "
+                                      "multiples of 64 the layout depends on it") from None
+            size = None
+        for dtype in dict.fromkeys(p.dtype for p in params):
+            mine = [p for p in params if p.dtype == dtype]
+            where, total = offsets(mine, size)
+            buffers.append(Buffer(chunk, dtype, where, total, size))
+    return buffers
+
+
+def check_file(obj: Any, buffers: list[Buffer], source: str) -> list[tuple]:
+    """The file's key of each buffer, after checking the file against ``buffers``."""
+    if isinstance(obj, list):
+        raise UnreadableInput("distrib_optim.pt holds the states of several optimizers "
+                              "(expert-parallel / MoE), which ckptool does not map yet",
+                              path=source)
+    if not isinstance(obj, dict):
+        raise UnreadableInput("distrib_optim.pt does not hold a distributed optimizer state",
+                              path=source)
+    if obj.get("buckets_coalesced") is not True:
+        raise UnreadableInput("distrib_optim.pt is in the pre-2024 per-bucket format, which "
+                              "ckptool does not read", path=source,
+                              hint="Megatron's --ckpt-convert-update-legacy-dist-opt-format "
+                                   "updates it")
+    found = sorted(k for k in obj if isinstance(k, int))
+    if found != list(range(len(buffers))):
+        raise UnreadableInput(f"distrib_optim.pt has grad buffers {found}, the model file's "
+                              f"parameters give {len(buffers)} (one per model chunk and dtype)",
+                              path=source)
+    keys = []
+    for i, buffer in enumerate(buffers):
+        entry = obj[i]
+        if not (isinstance(entry, dict) and len(entry) == 1):
+            raise UnreadableInput(f"grad buffer {i} of distrib_optim.pt does not hold one dtype",
+                                  path=source)
+        (key, state), = entry.items()
+        if not (isinstance(key, tuple) and len(key) == 2 and key[0] == buffer.dtype):
+            raise UnreadableInput(f"grad buffer {i} of distrib_optim.pt is keyed {key}, the "
+                                  f"model file's parameters are {buffer.dtype}",
+                                  path=source)
+        stored = state.get("numel_unpadded") if isinstance(state, dict) else None
+        if stored != buffer.numel_unpadded:
+            raise UnreadableInput(
+                f"grad buffer {i} of distrib_optim.pt holds {stored} elements, Megatron's "
+                f"layout rule gives {buffer.numel_unpadded} (bucket size {buffer.bucket_size}); "
+                "ckptool cannot map it to parameters", path=source)
+        for name in FILE_KEYS.values():
+            t = state.get(name)
+            if getattr(t, "shape", None) != (stored,) or getattr(t, "dtype", None) != torch.float32:
+                raise UnreadableInput(f"grad buffer {i} of distrib_optim.pt: {name!r} is not a "
+                                      f"float32 vector of {stored} elements", path=source)
+        keys.append(key)
+    return keys
+
+
+def check_state(optimizer: Any, source: str) -> dict:
+    """``model_optim_rng.pt["optimizer"]`` beside a distrib_optim.pt: it must be
+    ``DistributedOptimizer.state_dict()`` (param groups without params, no tensor state)."""
+    inner = optimizer.get("optimizer") if isinstance(optimizer, dict) else None
+    if not (isinstance(inner, dict) and isinstance(inner.get("param_groups"), list)
+            and "state" not in inner):
+        raise UnreadableInput("model_optim_rng.pt has no distributed optimizer entry (param "
+                              "groups and step) beside distrib_optim.pt", path=source)
+    return optimizer
+
+
+def build(buffers: list[Buffer], keys: dict[torch.dtype, tuple],
+          tensor: Callable[[int, str], Any]) -> dict:
+    """The object tree of a distrib_optim.pt; ``tensor(buffer, file_key)`` gives each vector."""
+    out: dict = {"buckets_coalesced": True}
+    for i, buffer in enumerate(buffers):
+        state = {name: tensor(i, name) for name in FILE_KEYS.values()}
+        out[i] = {keys[buffer.dtype]: {**state, "numel_unpadded": buffer.numel_unpadded}}
+    return out
