@@ -23,7 +23,8 @@ class Output:
 
     def __init__(self, as_json: bool, quiet: bool):
         self.as_json = as_json
-        self.quiet = quiet
+        # Under torchrun only rank 0 speaks.
+        self.quiet = quiet or int(os.environ.get("RANK", "0") or 0) > 0
 
     def progress(self, total, desc: str):
         """A tqdm bar on stderr for a human at a terminal, else None. ``total()`` gives bytes."""
@@ -260,6 +261,8 @@ def _render_rewrite(out: Output, res, verb: str) -> None:
              f"({dst_t}), {res.format}",
              f"  {len(res.files)} files, read {_size(res.bytes_read)}, write {_size(res.bytes_written)}"
              + ("" if res.dry_run else f", {res.seconds:.1f}s")]
+    if res.reused_files:
+        lines.append(f"  kept {res.reused_files} finished files of an interrupted run (hashes checked)")
     if res.dropped:
         lines.append(f"  left out: {res.dropped}")
     lines += [f"  note: {n}" for n in res.notes]

@@ -15,7 +15,7 @@ import uuid
 
 from ckptool.core.dcpfile import (METADATA, SAVE_ID_MARK, DcpContainerReader, read_location,
                                   read_metadata)
-from ckptool.core.dcpwrite import DcpFileWriter, write_metadata
+from ckptool.core.dcpwrite import DcpFileWriter, FileRecord, write_metadata
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.index import CheckpointIndex, Writer
 from ckptool.core.regions import Region, Shard
@@ -50,7 +50,7 @@ class DcpWriter(Writer):
     name = NAME
 
     def __init__(self):
-        self._writers: list[DcpFileWriter] = []
+        self._records: dict = {}
         self._shapes: dict[str, tuple] = {}
         self._lock = threading.Lock()
         self._source = None
@@ -88,11 +88,18 @@ class DcpWriter(Writer):
                     if obj.location is not None:
                         w.add_bytes(key, read_location(self._source.store, obj.location))
         with self._lock:
-            self._writers.append(w)
+            self._records[target.path] = w.record()
         return w.digest
 
+    def records(self) -> dict:
+        return dict(self._records)
+
+    def absorb(self, records: dict) -> None:
+        self._records.update({path: FileRecord.from_json(r) if isinstance(r, dict) else r
+                              for path, r in records.items()})
+
     def finalize(self, store: Store, index) -> list[str]:
-        write_metadata(store, self._shapes, self._writers)
+        write_metadata(store, self._shapes, list(self._records.values()))
         return [METADATA]
 
 

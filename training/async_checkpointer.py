@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptool.core.dcpwrite import ChunkRecord, DcpFileWriter, write_metadata
+from ckptool.core.dcpwrite import DcpFileWriter, FileRecord, write_metadata
 from ckptool.core.errors import BadCheckpoint
 from ckptool.core.manifest import MANIFEST, FileEntry, Manifest, write_manifest
 from ckptool.core.storage import Store, is_temporary
@@ -52,8 +52,7 @@ class _RankResult:
     file: str | None = None
     size: int = 0
     digest: str = ""
-    chunks: list | None = None
-    objects: list | None = None
+    record: FileRecord | None = None
     shapes: dict | None = None
 
 
@@ -161,8 +160,7 @@ class AsyncCheckpointer:
                     w.add_chunk(c.key, c.offsets, c.lengths, c.host)
                 for key, data in objects.items():
                     w.add_bytes(key, data)
-            result = _RankResult(None, w.path, w.digest[0], w.digest[1],
-                                 [vars(c) for c in w.chunks], w.objects,
+            result = _RankResult(None, w.path, w.digest[0], w.digest[1], w.record(),
                                  {c.key: (c.global_shape, c.host.dtype) for c in chunks})
         except BaseException as exc:  # noqa: BLE001 - reported to every rank, raised on wait()
             result = _RankResult(f"rank {self._rank}: {type(exc).__name__}: {exc}")
@@ -189,11 +187,10 @@ class AsyncCheckpointer:
                 pass
             return "error: " + "; ".join(failed)
         try:
-            shapes, writers = {}, []
+            shapes = {}
             for r in results:
                 shapes.update(r.shapes)
-                writers.append(_Recorded(r.file, [ChunkRecord(**c) for c in r.chunks], r.objects))
-            size, digest = write_metadata(tmp, shapes, writers)
+            size, digest = write_metadata(tmp, shapes, [r.record for r in results])
             from ckptool.core.dcpfile import METADATA
 
             files = [FileEntry(r.file, r.size, r.digest) for r in results] + \
@@ -261,13 +258,6 @@ class AsyncCheckpointer:
         out = [None] * self._world
         dist.all_gather_object(out, result, group=self._side)
         return out
-
-
-@dataclass
-class _Recorded:
-    path: str
-    chunks: list
-    objects: list
 
 
 def load(path: str, state: dict, rank: int = 0) -> int | None:

@@ -11,6 +11,7 @@ metadata classes, so ``torch.distributed.checkpoint.load`` reads the result; its
 from __future__ import annotations
 
 import io
+import sys
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,30 +69,59 @@ class DcpFileWriter:
         self._raw.close()
         self.digest = (self._out.size, self._out.hexdigest())
 
+    def record(self) -> "FileRecord":
+        """What ``.metadata`` needs of this file (picklable: gathered across ranks)."""
+        return FileRecord(self.path, list(self.chunks), list(self.objects))
+
+
+@dataclass
+class FileRecord:
+    path: str
+    chunks: list[ChunkRecord]
+    objects: list[tuple[str, str, int, int]]
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "objects": [list(o) for o in self.objects],
+                "chunks": [[c.key, list(c.offsets), list(c.lengths), c.file, c.offset, c.length]
+                           for c in self.chunks]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "FileRecord":
+        return cls(data["path"], [ChunkRecord(k, tuple(o), tuple(n), f, off, ln)
+                                  for k, o, n, f, off, ln in data["chunks"]],
+                   [tuple(o) for o in data["objects"]])
+
 
 def write_metadata(store: Store, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                   writers: list[DcpFileWriter]) -> tuple[int, str]:
-    """Write ``.metadata`` for the chunks and objects the writers recorded."""
+                   writers: list) -> tuple[int, str]:
+    """Write ``.metadata`` for the chunks and objects the writers (or their ``FileRecord``s)
+    recorded. The result depends only on what was written, not on the order files finished
+    (files are taken by path), so equal checkpoints get equal bytes."""
+    writers = sorted(writers, key=lambda w: w.path)
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
                                                        Metadata, MetadataIndex, StorageMeta,
                                                        TensorProperties, TensorStorageMetadata)
 
+    # Strings are interned: pickle shares repeated objects by identity, so records that
+    # travelled between ranks must pickle exactly like local ones.
     state: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     for key, (shape, dtype) in shapes.items():
-        state[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [])
+        state[sys.intern(key)] = TensorStorageMetadata(TensorProperties(dtype=dtype),
+                                                       torch.Size(shape), [])
     for w in writers:
         for c in w.chunks:
             entry = state[c.key]
             entry.chunks.append(ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.lengths)))
-            storage[MetadataIndex(c.key, c.offsets, len(entry.chunks) - 1)] = _StorageInfo(
-                c.file, c.offset, c.length)
+            storage[MetadataIndex(sys.intern(c.key), tuple(c.offsets), len(entry.chunks) - 1)] = \
+                _StorageInfo(sys.intern(c.file), c.offset, c.length)
         for key, file, offset, length in w.objects:
-            state[key] = BytesStorageMetadata()
-            storage[MetadataIndex(key)] = _StorageInfo(file, offset, length)
+            state[sys.intern(key)] = BytesStorageMetadata()
+            storage[MetadataIndex(sys.intern(key))] = _StorageInfo(sys.intern(file), offset, length)
     meta = Metadata(state_dict_metadata=state, storage_data=storage,
-                    storage_meta=StorageMeta(save_id=f"{SAVE_ID_MARK}{uuid.uuid4()}"), version="1.0.0")
+                    storage_meta=StorageMeta(save_id=f"{SAVE_ID_MARK}{_content_id(writers)}"),
+                    version="1.0.0")
     import pickle
 
     with store.open_file(METADATA, "wb") as raw:
@@ -99,3 +129,13 @@ def write_metadata(store: Store, shapes: dict[str, tuple[tuple[int, ...], torch.
         pickle.dump(meta, out)
         out.fsync()
     return out.size, out.hexdigest()
+
+
+def _content_id(writers) -> str:
+    """A uuid-shaped id derived from the recorded chunks: deterministic for equal output."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for w in writers:
+        h.update(repr((w.path, [tuple(vars(c).values()) for c in w.chunks], w.objects)).encode())
+    return str(uuid.UUID(h.hexdigest()))

@@ -223,13 +223,14 @@ class AtomicOutput:
 
 
 class RenameOutput(AtomicOutput):
-    """POSIX: write to ``NAME.tmp-<id>/`` and rename into place."""
+    """POSIX: write to ``NAME.tmp-<id>/`` and rename into place. With a ``resume_key`` the
+    id is that key, so a re-run of the same job finds what an interrupted one wrote."""
 
-    def __init__(self, final: Store):
+    def __init__(self, final: Store, resume_key: str | None = None):
         self.final = final
-        tmp_root = f"{final.root}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+        tmp_root = f"{final.root}{TMP_MARK}{resume_key or uuid.uuid4().hex[:12]}"
         self.store = Store(f"{final.url}{tmp_root[len(final.root):]}", final.fs, tmp_root)
-        final.fs.makedirs(tmp_root, exist_ok=False)
+        final.fs.makedirs(tmp_root, exist_ok=resume_key is not None)
 
     def commit(self, write_manifest) -> Store:
         write_manifest(self.store)
@@ -251,17 +252,33 @@ class MarkerOutput(AtomicOutput):
         return self.final
 
 
-def atomic_output(url: str, *, overwrite: bool = False) -> AtomicOutput:
-    """The right atomic output for ``url``. Refuses an existing destination unless asked."""
+RESUME_KEY_FILE = ".ckptool-resume-key"
+
+
+def atomic_output(url: str, *, overwrite: bool = False, resume_key: str | None = None) -> AtomicOutput:
+    """The right atomic output for ``url``. Refuses an existing destination unless asked.
+
+    ``resume_key`` names the job (same source, target and options): an interrupted run's
+    partial output with the same key is kept, so the caller can skip what is already done.
+    On object stores that output is the uncommitted destination itself (no manifest yet),
+    recognised by the key file written into it.
+    """
     final = Store.open(url)
     if final.exists():
+        resumable = (resume_key is not None and not final.is_local and not final.exists("ckptool.json")
+                     and final.exists(RESUME_KEY_FILE)
+                     and final.read_bytes(RESUME_KEY_FILE).decode() == resume_key)
+        if resumable and not overwrite:
+            return MarkerOutput(final)
         if not overwrite:
             raise UsageError(f"destination {final.url} already exists",
                              hint="Choose a new path or pass --overwrite")
         final.fs.rm(final.root, recursive=True)
     if final.is_local:
         final.fs.makedirs(posixpath.dirname(final.root) or ".", exist_ok=True)
-        return RenameOutput(final)
+        return RenameOutput(final, resume_key)
+    if resume_key is not None:
+        final.write_bytes(RESUME_KEY_FILE, resume_key.encode())
     return MarkerOutput(final)
 
 

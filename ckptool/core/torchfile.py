@@ -422,6 +422,14 @@ class _ZipWriter:
         self._write(data)
         self._pos += memoryview(data).nbytes
 
+    def structure_id(self) -> bytes:
+        """torch.save writes a random ``serialization_id``; ours is derived from the records
+        (names, sizes, offsets), so that writing the same data twice gives the same bytes
+        (a resumed or distributed reshard equals a single uninterrupted one)."""
+        import xxhash
+
+        return str(xxhash.xxh3_128_intdigest(repr(self._entries).encode())).encode()
+
     def record(self, name: str, data) -> None:
         data = memoryview(data) if not isinstance(data, memoryview) else data
         size = data.nbytes
@@ -498,5 +506,5 @@ def save(obj: Any, stream: BinaryIO, produce: Callable[[Pending], torch.Tensor] 
         zf.record(f"data/{slot.index}", tensor_bytes(tensor))
         del tensor
     zf.record("version", b"3\n")
-    zf.record(".data/serialization_id", str(uuid.uuid4().int).encode())
+    zf.record(".data/serialization_id", zf.structure_id())
     zf.finish()

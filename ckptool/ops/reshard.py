@@ -8,6 +8,8 @@ written through an atomic output: DST appears whole, with its manifest, or not a
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -16,10 +18,10 @@ from typing import Callable
 import converters
 from ckptool.checkpoint import Opened, open_checkpoint
 from ckptool.core.engine import bytes_read, fill_tensor
-from ckptool.core.errors import UsageError, UnsupportedFormat
+from ckptool.core.errors import CkptoolError, UsageError, UnsupportedFormat
 from ckptool.core.layout import check as check_layout
 from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifest
-from ckptool.core.storage import atomic_output
+from ckptool.core.storage import Store, atomic_output
 
 RESHARDABLE = ("megatron", "megatron-dist", "dcp")
 OPTIMIZER_PREFIX = "optimizer."
@@ -47,6 +49,8 @@ class ReshardResult:
     """What whoever resumes from DST must know."""
     seconds: float = 0.0
     dry_run: bool = False
+    reused_files: int = 0
+    """Target files an interrupted run had finished, checked by hash and kept."""
 
 
 def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers: int = 1,
@@ -141,34 +145,240 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
     if dry_run:
         return result
 
-    out = atomic_output(dst, overwrite=overwrite)
+    group = _Group.from_env()
+    key = _resume_key(opened, fmt, result, options, weights_only, names, true_vocab_size)
+    out = group.on_rank0(lambda: atomic_output(dst, overwrite=overwrite, resume_key=key))
+    store = Store.open(out.store.url) if group.rank else out.store
     try:
         def read_box(piece, dtype, box, out_view):
             opened.reader.read_box_into(opened.store, piece, dtype, box, out_view)
 
+        done = _journal(store)
+
         def write_one(target):
-            size, digest = writer.write_file(out.store, target,
-                                             lambda t: fill_tensor(t, index, read_box), index,
-                                             true_vocab_size or index.true_vocab_size)
+            entry = _reusable(store, target, done)
+            kept = entry is not None
+            if kept:
+                record = done[target.path][1]
+                if record is not None:
+                    with _JOURNAL_LOCK:
+                        writer.absorb({target.path: record})
+            else:
+                size, digest = writer.write_file(store, target,
+                                                 lambda t: fill_tensor(t, index, read_box), index,
+                                                 true_vocab_size or index.true_vocab_size)
+                entry = FileEntry(target.path, size, digest)
+                _record(store, group.rank, entry, writer.records().get(target.path))
             if progress:
                 progress(target.nbytes)
-            return FileEntry(target.path, size, digest)
+            return entry, kept
 
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            entries = list(pool.map(write_one, plan))
-        extra = writer.finalize(out.store, index)
-        for rel, (size, digest) in hash_files(out.store, extra).items():
-            entries.append(FileEntry(rel, size, digest))
-        manifest = Manifest(format=fmt, files=sorted(entries, key=lambda e: e.path),
-                            topology=target_topo.to_dict(),
-                            model_config=asdict(spec) if spec is not None else index.model_config,
-                            true_vocab_size=true_vocab_size or index.true_vocab_size,
-                            iteration=index.iteration, format_version=index.format_version)
-        out.commit(lambda store: write_manifest(store, manifest))
-    except BaseException:
-        out.abort()
+        mine = plan[group.rank::group.world]
+        error = None
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+                written = list(pool.map(write_one, mine))
+        except BaseException as exc:  # noqa: BLE001 - every rank must reach the gather
+            written, error = None, exc
+        entries, reused = group.gather_entries(written, error)
+        group.gather_records(writer)
+        if group.rank:
+            group.wait_commit()
+            return replace(result, destination=dst, reused_files=reused,
+                           seconds=time.perf_counter() - started)
+        status = None
+        try:
+            extra = writer.finalize(store, index)
+            for rel, (size, digest) in hash_files(store, extra).items():
+                entries.append(FileEntry(rel, size, digest))
+            manifest = Manifest(format=fmt, files=sorted(entries, key=lambda e: e.path),
+                                topology=target_topo.to_dict(),
+                                model_config=asdict(spec) if spec is not None else index.model_config,
+                                true_vocab_size=true_vocab_size or index.true_vocab_size,
+                                iteration=index.iteration, format_version=index.format_version)
+            _clear_journal(store)
+            out.commit(lambda s_: write_manifest(s_, manifest))
+        except BaseException as exc:
+            status = f"rank 0 could not commit: {exc}"
+            raise
+        finally:
+            group.commit_done(status)
+    except CkptoolError:
+        if group.rank == 0:
+            out.abort()  # bad input: nothing worth resuming
         raise
-    return replace(result, destination=out.final.url, seconds=time.perf_counter() - started)
+    # Anything else (interrupted, storage error): the partial output stays for a re-run.
+    return replace(result, destination=out.final.url, reused_files=reused,
+                   seconds=time.perf_counter() - started)
+
+
+JOURNAL = ".ckptool-done"
+"""Per-rank journals of finished target files (path, size, xxh3) in an unfinished output."""
+
+
+def _resume_key(opened, fmt, result, options, weights_only, names, true_vocab_size) -> str:
+    """Names the job: the same source content, target and options give the same key."""
+    import json
+
+    import xxhash
+
+    source = opened.manifest.files if opened.manifest else sorted(opened.index.files.items())
+    blob = json.dumps([opened.store.url, [list(map(str, f if isinstance(f, tuple) else
+                                                    (f.path, f.size, f.xxh3_128))) for f in source],
+                       fmt, result.target_topology, [(f.path, f.bytes) for f in result.files],
+                       sorted((options or {}).items()), weights_only, names, true_vocab_size],
+                      default=str)
+    return xxhash.xxh3_64_hexdigest(blob.encode())
+
+
+def _journal(store: Store) -> dict[str, tuple[FileEntry, dict | None]]:
+    """Finished files of an interrupted run: entry and the writer's record (JSON form)."""
+    import json
+
+    done = {}
+    for name, is_dir in store.ls():
+        if is_dir or not name.startswith(JOURNAL):
+            continue
+        for line in store.read_bytes(name).decode(errors="replace").splitlines():
+            try:
+                d = json.loads(line)
+                done[d["path"]] = (FileEntry(d["path"], int(d["size"]), d["xxh3_128"]), d.get("record"))
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line of a killed run
+    return done
+
+
+def _reusable(store: Store, target, done: dict) -> FileEntry | None:
+    """The journaled entry of ``target`` if the file on storage still hashes to it."""
+    from ckptool.core.manifest import hash_file
+
+    entry = done.get(target.path, (None, None))[0]
+    if entry is None or not store.exists(target.path):
+        return None
+    try:
+        size, digest = hash_file(store, target.path)
+    except OSError:
+        return None
+    return entry if (size, digest) == (entry.size, entry.xxh3_128) else None
+
+
+def _record(store: Store, rank: int, entry: FileEntry, record=None) -> None:
+    import json
+
+    line = json.dumps({**asdict(entry), "record": record.to_json() if record is not None else None}) + "\n"
+    path = f"{JOURNAL}.{rank}"
+    with _JOURNAL_LOCK:
+        if store.is_local:
+            with open(store.path(path), "a") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+        else:  # object stores cannot append: rewrite the small journal
+            old = store.read_bytes(path) if store.exists(path) else b""
+            store.write_bytes(path, old + line.encode())
+
+
+def _clear_journal(store: Store) -> None:
+    from ckptool.core.storage import RESUME_KEY_FILE
+
+    for name, is_dir in store.ls():
+        if not is_dir and (name.startswith(JOURNAL) or name == RESUME_KEY_FILE):
+            store.fs.rm(store.path(name))
+
+
+class _Group:
+    """The ranks of a ``torchrun ... -m ckptool reshard`` job (one rank without torchrun).
+
+    Target files are dealt round-robin; rank 0 creates the output, and commits once every
+    rank has finished. Coordination is over gloo on CPU.
+    """
+
+    def __init__(self, rank: int = 0, world: int = 1):
+        self.rank, self.world = rank, world
+
+    @classmethod
+    def from_env(cls) -> "_Group":
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in os.environ:
+            return cls()
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        return cls(dist.get_rank(), dist.get_world_size())
+
+    def _broadcast(self, value):
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def on_rank0(self, make):
+        """``make()`` on rank 0; its result (or its error) on every rank."""
+        if self.world == 1:
+            return make()
+        value = error = None
+        if self.rank == 0:
+            try:
+                value = make()
+            except CkptoolError as exc:
+                error = exc
+        error = self._broadcast(error)
+        if error is not None:
+            raise error
+        url = self._broadcast(value.store.url if self.rank == 0 else None)
+        return value if self.rank == 0 else _Remote(url)
+
+    def gather_entries(self, written, error: BaseException | None = None):
+        """Every rank's finished entries (and how many were kept from an earlier run);
+        raises on every rank if any rank failed."""
+        if self.world == 1:
+            if error is not None:
+                raise error
+            return [e for e, _ in written], sum(1 for _, kept in written if kept)
+        import torch.distributed as dist
+
+        mine = None if error is not None else \
+            ([(e.path, e.size, e.xxh3_128) for e, _ in written], sum(1 for _, kept in written if kept))
+        out = [None] * self.world
+        dist.all_gather_object(out, mine)
+        if error is not None:
+            raise error
+        failed = [r for r, o in enumerate(out) if o is None]
+        if failed:
+            raise OSError(f"reshard failed on rank(s) {failed}; their errors are in their logs")
+        return [FileEntry(*e) for part, _ in out for e in part], sum(n for _, n in out)
+
+    def gather_records(self, writer) -> None:
+        """Rank 0's writer absorbs the per-file records of the files other ranks wrote."""
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, writer.records())
+        if self.rank == 0:
+            for records in out[1:]:
+                writer.absorb(records)
+
+    def commit_done(self, error: str | None = None):
+        if self.world > 1:
+            self._broadcast(error or "committed")
+
+    def wait_commit(self):
+        status = self._broadcast(None)
+        if status != "committed":
+            raise OSError(status)
+
+
+class _Remote:
+    """What ranks other than 0 know of the output: where to write."""
+
+    def __init__(self, url: str):
+        self.store = Store.open(url)
+
+
+_JOURNAL_LOCK = threading.Lock()
 
 
 def _refuse_unwritten(index, plan, fmt: str, drop_optimizer: bool) -> None:

@@ -1,0 +1,135 @@
+"""Reshard beyond one process and one uninterrupted run: `torchrun -m ckptool reshard`
+splits the target files across ranks and equals the single-process output byte for byte;
+a reshard killed halfway and re-run keeps the finished files (hashes checked) and redoes
+less than half of the work, with identical output."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _source(path: Path, mb_per_tensor: int = 2, n: int = 16) -> Path:
+    from converters import dcp
+
+    g = torch.Generator().manual_seed(1)
+    rows = mb_per_tensor * (1 << 20) // 4 // 256
+    dcp.save({f"layers.{i}.w": torch.randn(rows, 256, generator=g) for i in range(n)},
+             str(path), iteration=7, topology={"tp": 1, "pp": 1, "dp": 1})
+    return path
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != "ckptool.json":
+            out[str(p.relative_to(root))] = p.read_bytes()
+    return out
+
+
+def _manifest_files(root: Path) -> list:
+    return json.loads((root / "ckptool.json").read_text())["files"]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return _source(tmp_path_factory.mktemp("scale") / "src")
+
+
+def test_torchrun_reshard_equals_single_process_byte_for_byte(source, tmp_path, run_cli):
+    single = tmp_path / "single"
+    assert run_cli("reshard", source, single, "--to-dp", "5").code == 0
+    multi = tmp_path / "multi"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+         "127.0.0.1", "--master_port", str(free_port()), "-m", "ckptool", "reshard", str(source),
+         str(multi), "--to-dp", "5"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("resharded:") == 1  # rank 0 reports, once
+    assert _files(multi) == _files(single)
+    assert _manifest_files(multi) == _manifest_files(single)
+    assert run_cli("verify", "--deep", multi).code == 0
+
+
+SLOW_FS = '''
+import time, fsspec
+from fsspec.implementations.local import LocalFileSystem
+class SlowFS(LocalFileSystem):
+    """Local files that take 0.25 s to close after writing: a slow parallel filesystem."""
+    protocol = "slowfile"
+    def _open(self, path, mode="rb", **kw):
+        f = super()._open(path, mode, **kw)
+        if "w" in mode and path.endswith(".distcp"):
+            close = f.close
+            def slow_close():
+                time.sleep(0.25)
+                close()
+            f.close = slow_close
+        return f
+fsspec.register_implementation("slowfile", SlowFS, clobber=True)
+from ckptool.cli import main
+main()
+'''
+
+
+def _slow_reshard(src: Path, dst: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", SLOW_FS, "reshard", str(src), f"slowfile://{dst}",
+                             "--to-dp", "16", "--workers", "1"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def test_a_killed_reshard_resumes_and_redoes_less_than_half(source, tmp_path, run_cli):
+    whole = tmp_path / "whole"
+    assert run_cli("reshard", source, whole, "--to-dp", "16").code == 0
+    dst = tmp_path / "resumed"
+    proc = _slow_reshard(source, dst)
+    deadline = time.time() + 120
+    done = 0
+    while time.time() < deadline and proc.poll() is None:
+        journals = list(tmp_path.glob("resumed.tmp-*/.ckptool-done*"))
+        done = sum(len(j.read_text().splitlines()) for j in journals)
+        if done >= 9:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    proc.wait()
+    assert done >= 9 and proc.returncode == -signal.SIGKILL, (done, proc.returncode)
+    assert not dst.exists()
+    r = run_cli("latest", tmp_path)
+    assert "resumed" not in r.out  # the partial output is never a checkpoint
+    # Re-run with the same arguments: the finished files are kept, the rest is redone.
+    rerun = subprocess.run([sys.executable, "-c", SLOW_FS, "reshard", str(source),
+                            f"slowfile://{dst}", "--to-dp", "16", "--workers", "1", "--json"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    res = json.loads(rerun.stdout)
+    redone = len(res["files"]) - res["reused_files"]
+    assert res["reused_files"] >= 9 and redone < len(res["files"]) / 2, res["reused_files"]
+    assert _files(dst) == _files(whole)
+    assert _manifest_files(dst) == _manifest_files(whole)
+    assert not list(tmp_path.glob("resumed.tmp-*"))
+    assert run_cli("verify", "--deep", dst).code == 0
+
+
+def test_a_rerun_with_other_arguments_does_not_reuse(source, tmp_path, run_cli):
+    dst = tmp_path / "out"
+    proc = _slow_reshard(source, dst)
+    while proc.poll() is None and not list(tmp_path.glob("out.tmp-*/.ckptool-done*")):
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    r = run_cli("reshard", source, dst, "--to-dp", "8", "--json")  # another target
+    assert r.code == 0 and json.loads(r.out)["reused_files"] == 0
