@@ -225,12 +225,13 @@ def _rewrite_options(f):
 @click.option("--to-pp", type=_SIZE, help="Target pipeline-parallel size.")
 @click.option("--to-dp", type=_SIZE, help="Target data-parallel size.")
 @click.option("--to-vpp", type=_SIZE, help="Target virtual pipeline chunks per stage.")
+@click.option("--to-zero", type=click.IntRange(0, 3), help="Target ZeRO stage (DeepSpeed).")
 @click.option("--tp", type=_SIZE, help="Assert the source's TP (read from SRC).")
 @click.option("--pp", type=_SIZE, help="Assert the source's PP.")
 @click.option("--dp", type=_SIZE, help="Assert the source's DP.")
 @_rewrite_options
-def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, tp, pp, dp, true_vocab_size, workers, dry_run,
-            overwrite, drop_optimizer, as_json, quiet):
+def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, to_zero, tp, pp, dp, true_vocab_size, workers,
+            dry_run, overwrite, drop_optimizer, as_json, quiet):
     """Rewrite the checkpoint SRC at DST for another TP/PP layout, same format.
 
     SRC's topology is read from it; --tp/--pp/--dp before the --to-* flags are assertions.
@@ -245,7 +246,7 @@ def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, tp, pp, dp, true_vocab_size, 
     out = Output(as_json, quiet)
     bar = out.progress(lambda: None, "reshard") if not dry_run else None
     try:
-        res = run(src, dst, to={"tp": to_tp, "pp": to_pp, "dp": to_dp, "vpp": to_vpp},
+        res = run(src, dst, to={"tp": to_tp, "pp": to_pp, "dp": to_dp, "vpp": to_vpp, "zero": to_zero},
                   expect={"tp": tp, "pp": pp, "dp": dp}, workers=workers, dry_run=dry_run,
                   overwrite=overwrite, true_vocab_size=true_vocab_size,
                   drop_optimizer=drop_optimizer, progress=bar.update if bar else None)
@@ -306,6 +307,7 @@ class FormatType(click.ParamType):
 @click.option("--tp", "--to-tp", "tp", type=_SIZE, help="Target tensor-parallel size (default: SRC's).")
 @click.option("--pp", "--to-pp", "pp", type=_SIZE, help="Target pipeline-parallel size.")
 @click.option("--dp", "--to-dp", "dp", type=_SIZE, help="Target data-parallel size.")
+@click.option("--zero", "--to-zero", "zero", type=click.IntRange(0, 3), help="Target ZeRO stage (deepspeed).")
 @click.option("--megatron-names", type=click.Choice(["mcore-local", "mcore-te", "legacy"]),
               help="Tensor names of a megatron target: Megatron-Core local or Transformer Engine "
                    "spec, or pre-mcore (Megatron-DeepSpeed). Default: the source's, else mcore-local.")
@@ -315,7 +317,7 @@ class FormatType(click.ParamType):
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
               help="hf: dtype of the written weights (default: the source's).")
 @_rewrite_options
-def convert(src, dst, to_format, tp, pp, dp, megatron_names, model_family, max_shard_size, dtype,
+def convert(src, dst, to_format, tp, pp, dp, zero, megatron_names, model_family, max_shard_size, dtype,
             true_vocab_size, workers, dry_run, overwrite, drop_optimizer, as_json, quiet):
     """Write the checkpoint SRC at DST in another format, optionally at another TP/PP.
 
@@ -327,7 +329,8 @@ def convert(src, dst, to_format, tp, pp, dp, megatron_names, model_family, max_s
     from ckptool.ops.reshard import convert as run
 
     out = Output(as_json, quiet)
-    res = run(src, dst, to_format=to_format, to={"tp": tp, "pp": pp, "dp": dp}, workers=workers,
+    res = run(src, dst, to_format=to_format, to={"tp": tp, "pp": pp, "dp": dp, "zero": zero},
+              workers=workers,
               dry_run=dry_run, overwrite=overwrite, true_vocab_size=true_vocab_size,
               drop_optimizer=drop_optimizer, names=megatron_names,
               model_family="gpt2" if model_family == "gpt" else model_family,
