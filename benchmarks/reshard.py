@@ -1,6 +1,6 @@
 """Reshard speed and memory: `ckptool reshard` against `cp -r` and a naive baseline.
 
-    python benchmarks/reshard.py [--size-gb 3.2] [--workers 2] [--dir DIR]
+    python benchmarks/reshard.py [--size-gb 3.2] [--workers 2] [--procs 2] [--dir DIR]
 
 Makes a legacy Megatron checkpoint (GPT-style, fp32) of about --size-gb at TP4/PP2, then
 reshards it to TP2/PP4 three ways, each in its own process, in the same run:
@@ -10,6 +10,9 @@ reshards it to TP2/PP4 three ways, each in its own process, in the same run:
 * `ckptool reshard SRC DST --to-tp 2 --pp 4` (the engine: overlapping byte ranges, streamed)
 * naive: torch.load every rank file, torch.cat into full tensors, split, torch.save
   (what Megatron's tools/checkpoint does, in one process)
+
+With ``--procs N`` (N > 1) it also runs ``torchrun --nproc_per_node N -m ckptool reshard``,
+checks its output equals the single-process one byte for byte, and prints the speedup.
 
 It checks that the naive and ckptool outputs hold bit-identical tensors, and prints wall
 time, the ratios, and each process's peak RSS next to the target
@@ -145,6 +148,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-gb", type=float, default=3.2)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--procs", type=int, default=1, help="also run under torchrun with N processes")
     ap.add_argument("--dir", default=None)
     args = ap.parse_args()
 
@@ -172,6 +176,15 @@ def main() -> None:
         os.sync()
         t_nv, rss_nv = run([sys.executable, "-c", NAIVE, str(src), str(base / "naive"), str(REPO)])
         identical = same_tensors(base / "naive", base / "ckptool")
+        t_multi = None
+        if args.procs > 1:
+            os.sync()
+            t_multi, _ = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                              str(args.procs), "--master_addr", "127.0.0.1", "--master_port", "29561",
+                              "-m", "ckptool", "reshard", str(src), str(base / "multi"), "--to-tp", "2",
+                              "--to-pp", "4", "--workers", str(max(1, args.workers // args.procs)), "-q"])
+            same = subprocess.run(["diff", "-r", "-x", "ckptool.json", str(base / "ckptool"),
+                                   str(base / "multi")], stdout=subprocess.DEVNULL).returncode == 0
 
         target = 1.0 + 2 * largest / 1e9
         print(f"{'what':<36}{'seconds':>9}{'GB/s':>8}{'peak RSS GB':>13}")
@@ -185,6 +198,9 @@ def main() -> None:
         print(f"naive / ckptool = {t_nv / t_ck:.2f}  (target >= 3)")
         print(f"ckptool peak RSS {rss_ck:.2f} GB vs target {target:.2f} GB (1 GB + 2 x largest tensor)")
         print(f"outputs bit-identical to the naive baseline: {identical}")
+        if t_multi is not None:
+            print(f"torchrun --nproc_per_node {args.procs}: {t_multi:.2f} s, speedup over 1 process "
+                  f"{t_ck / t_multi:.2f}x; output byte-identical to 1 process: {same}")
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -209,6 +209,10 @@ def _rewrite_options(f):
                      help="The tokenizer's vocabulary size, if SRC lacks it."),
         click.option("--workers", default=4, show_default=True, type=_SIZE,
                      help="Target files written in parallel."),
+        click.option("--decoder-first-pipeline-num-layers", "first_stage_layers", type=_SIZE,
+                     help="megatron targets: layers on the first pipeline stage (uneven split)."),
+        click.option("--decoder-last-pipeline-num-layers", "last_stage_layers", type=_SIZE,
+                     help="megatron targets: layers on the last pipeline stage (uneven split)."),
         click.option("--dry-run", is_flag=True, help="Print the plan: target files, bytes read and written."),
         click.option("--overwrite", is_flag=True, help="Replace DST if it exists."),
         click.option("--drop-optimizer", is_flag=True,
@@ -231,7 +235,7 @@ def _rewrite_options(f):
 @click.option("--dp", type=_SIZE, help="Assert the source's DP.")
 @_rewrite_options
 def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, to_zero, tp, pp, dp, true_vocab_size, workers,
-            dry_run, overwrite, drop_optimizer, as_json, quiet):
+            first_stage_layers, last_stage_layers, dry_run, overwrite, drop_optimizer, as_json, quiet):
     """Rewrite the checkpoint SRC at DST for another TP/PP layout, same format.
 
     SRC's topology is read from it; --tp/--pp/--dp before the --to-* flags are assertions.
@@ -249,7 +253,9 @@ def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, to_zero, tp, pp, dp, true_voc
         res = run(src, dst, to={"tp": to_tp, "pp": to_pp, "dp": to_dp, "vpp": to_vpp, "zero": to_zero},
                   expect={"tp": tp, "pp": pp, "dp": dp}, workers=workers, dry_run=dry_run,
                   overwrite=overwrite, true_vocab_size=true_vocab_size,
-                  drop_optimizer=drop_optimizer, progress=bar.update if bar else None)
+                  drop_optimizer=drop_optimizer, progress=bar.update if bar else None,
+                  options={"first_stage_layers": first_stage_layers,
+                           "last_stage_layers": last_stage_layers})
     finally:
         if bar:
             bar.close()
@@ -318,7 +324,8 @@ class FormatType(click.ParamType):
               help="hf: dtype of the written weights (default: the source's).")
 @_rewrite_options
 def convert(src, dst, to_format, tp, pp, dp, zero, megatron_names, model_family, max_shard_size, dtype,
-            true_vocab_size, workers, dry_run, overwrite, drop_optimizer, as_json, quiet):
+            true_vocab_size, workers, first_stage_layers, last_stage_layers, dry_run, overwrite,
+            drop_optimizer, as_json, quiet):
     """Write the checkpoint SRC at DST in another format, optionally at another TP/PP.
 
     --tp/--pp/--dp describe the target (SRC's own layout is read from it).
@@ -334,7 +341,8 @@ def convert(src, dst, to_format, tp, pp, dp, zero, megatron_names, model_family,
               dry_run=dry_run, overwrite=overwrite, true_vocab_size=true_vocab_size,
               drop_optimizer=drop_optimizer, names=megatron_names,
               model_family="gpt2" if model_family == "gpt" else model_family,
-              options={"max_shard_size": max_shard_size, "dtype": dtype})
+              options={"max_shard_size": max_shard_size, "dtype": dtype,
+                       "first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers})
     _render_rewrite(out, res, "converted")
 
 

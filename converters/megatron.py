@@ -41,8 +41,8 @@ from ckptool.core.topology import Topology
 from converters import megatron_distopt as distopt
 from converters import megatron_optimizer as optim
 from converters.megatron_common import (ITER_DIR, SCHEMAS, TRACKER, detect_schema, iteration_dir,
-                                        parameter_order, params_by_key, source_dtype, target_spec, spec_from_args, to_canonical,
-                                        tracked_dir, update_args)
+                                        parameter_order, params_by_key, source_dtype, spec_from_args, to_canonical,
+                                        tracked_dir, update_args, UnevenStages)
 
 EXTRA = "_extra_state"
 SCHEMA_KEY = "megatron.schema"
@@ -429,18 +429,11 @@ def _unflatten(flat: dict[str, Any], nested: bool) -> dict:
 # ----------------------------------------------------------------------------- writing
 
 
-class MegatronWriter(Writer):
+class MegatronWriter(UnevenStages, Writer):
     """Writes a legacy Megatron run root: tracker + ``iter_*/mp_rank_*/model_optim_rng.pt``."""
 
     name = NAME
     _layout_note: str | None = None
-
-    def target_spec(self, index: CheckpointIndex, source: Topology, target: Topology,
-                    true_vocab_size: int | None) -> ModelSpec:
-        if index.model_config is None:
-            raise UsageError("the source does not say what model it holds", path=index.url,
-                             hint="Megatron output needs the model's args")
-        return target_spec(index, source, target, true_vocab_size)
 
     def notes(self, index: CheckpointIndex) -> list[str]:
         """What a user resuming from the output must know."""

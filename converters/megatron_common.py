@@ -299,8 +299,31 @@ def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology
     return new
 
 
-def target_spec(index, source: Topology, target: Topology, true_vocab_size: int | None) -> ModelSpec:
-    """The model of ``index`` laid out for ``target`` (vocab padding checked)."""
+class UnevenStages:
+    """Writer options of both Megatron formats: Megatron's own
+    ``--decoder-first/last-pipeline-num-layers`` for the target's pipeline split."""
+
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    def configure(self, *, first_stage_layers: int | None = None,
+                  last_stage_layers: int | None = None, **unknown) -> None:
+        super().configure(**unknown)
+        self.first_stage_layers, self.last_stage_layers = first_stage_layers, last_stage_layers
+
+    def target_spec(self, index, source: Topology, target: Topology,
+                    true_vocab_size: int | None) -> ModelSpec:
+        if index.model_config is None:
+            raise UsageError("the source does not say what model it holds", path=index.url,
+                             hint="Megatron output needs the model's args")
+        return target_spec(index, source, target, true_vocab_size, self.first_stage_layers,
+                           self.last_stage_layers)
+
+
+def target_spec(index, source: Topology, target: Topology, true_vocab_size: int | None,
+                first: int | None = None, last: int | None = None) -> ModelSpec:
+    """The model of ``index`` laid out for ``target`` (vocab padding checked; ``first`` /
+    ``last``: an uneven pipeline split for the target)."""
     from dataclasses import replace
 
     spec = ModelSpec(**index.model_config)
@@ -310,7 +333,11 @@ def target_spec(index, source: Topology, target: Topology, true_vocab_size: int 
             raise UsageError(f"--true-vocab-size {true_vocab_size} exceeds the checkpoint's "
                              f"{spec.global_vocab_rows} embedding rows")
         spec, known = replace(spec, vocab_size=int(true_vocab_size)), True
-    return retarget_spec(spec, source.tp, target.tp, known)
+    if first is None and last is None and target.pp != source.pp and \
+            (spec.first_stage_layers is not None or spec.last_stage_layers is not None):
+        # the source's uneven split was for its own PP: the target splits evenly unless told
+        spec = replace(spec, first_stage_layers=None, last_stage_layers=None)
+    return retarget_spec(spec, source.tp, target.tp, known, first, last)
 
 
 def source_dtype(index, key: str):

@@ -36,7 +36,7 @@ from ckptool.core.storage import Store
 from ckptool.core.torchfile import TorchFile
 from converters import megatron_optimizer as optim
 from converters.megatron_common import (TRACKER, iteration_dir, params_by_key, source_dtype,
-                                        spec_from_args, target_spec, tracked_dir, update_args)
+                                        spec_from_args, tracked_dir, update_args, UnevenStages)
 
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
                        "mlp.linear_fc2")
@@ -171,7 +171,7 @@ def _split_layers(index: CheckpointIndex, key: str, info: TensorInfo, pieces: li
 # ----------------------------------------------------------------------------- writing
 
 
-class MegatronDistWriter(Writer):
+class MegatronDistWriter(UnevenStages, Writer):
     """Writes a Megatron-Core ``torch_dist`` run root: tracker + ``iter_*/`` with
     ``metadata.json``, ``common.pt`` and a DCP container whose per-layer tensors are stacked.
 
@@ -186,9 +186,6 @@ class MegatronDistWriter(Writer):
         self._records: dict = {}
         self._lock = threading.Lock()
         self._shapes: dict[str, tuple] = {}
-
-    def target_spec(self, index, source, target, true_vocab_size):
-        return target_spec(index, source, target, true_vocab_size)
 
     def notes(self, index) -> list[str]:
         return ["RNG state is not written to torch_dist outputs yet: resume with Megatron's "

@@ -304,3 +304,28 @@ def _mcore_keys(pp_rank: int) -> list[str]:
             for m in ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
                       "mlp.linear_fc2")]
     return keys + (["output_layer._extra_state"] if pp_rank == 1 else [])
+
+
+def test_uneven_pipeline_split_on_request(llama_tp2, tmp_path, run_cli):
+    """4 layers over PP3 are refused, unless the split is given as Megatron spells it; the
+    uneven checkpoint holds 2+1+1 layers, records the split in args, and comes back
+    bit-exact and with the same logits."""
+    src, ref = llama_tp2
+    dst = tmp_path / "pp3"
+    res = run_cli("reshard", src, dst, "--to-pp", 3, "--true-vocab-size", 1000)
+    assert res.code == 2 and "--decoder-first-pipeline-num-layers" in res.err
+    res = run_cli("reshard", src, dst, "--to-tp", 1, "--to-pp", 3, "--true-vocab-size", 1000,
+                  "--decoder-first-pipeline-num-layers", 2)
+    assert res.code == 0, res.err
+    layers = []
+    for pp in range(3):
+        data = torch.load(dst / "iter_0000010" / f"mp_rank_00_{pp:03d}" / "model_optim_rng.pt",
+                          weights_only=False)
+        assert data["args"].decoder_first_pipeline_num_layers == 2
+        layers.append(len({k.split(".")[2] for k in data["model"] if k.startswith("decoder.layers.")}))
+    assert layers == [2, 1, 1]
+    back = tmp_path / "back"
+    assert run_cli("reshard", dst, back, "--to-tp", 2, "--to-pp", 1).code == 0
+    a, b = _tensors(src), _tensors(back)
+    assert all(torch.equal(a[f][k], b[f][k]) for f in a for k in a[f])
+    assert _close(H.load_logits(H.LLAMA, 2, 1, back), ref)

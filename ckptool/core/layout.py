@@ -184,7 +184,8 @@ def stage_layers(spec: ModelSpec, pp: int, vpp: int = 1) -> list[list[range]]:
         if L % (pp * vpp):
             raise TopologyError(
                 f"num_layers ({L}) must be divisible by PP x VPP ({pp} x {vpp})",
-                hint="Give an uneven split (decoder_first/last_pipeline_num_layers) or another --pp")
+                hint="Give an uneven split (--decoder-first-pipeline-num-layers N and/or "
+                     "--decoder-last-pipeline-num-layers N) or another --pp")
         n = L // (pp * vpp)
         return [[range((c * pp + p) * n, (c * pp + p + 1) * n) for c in range(vpp)]
                 for p in range(pp)]

@@ -23,7 +23,7 @@ from ckptool.core.layout import check as check_layout
 from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifest
 from ckptool.core.storage import Store, atomic_output
 
-RESHARDABLE = ("megatron", "megatron-dist", "dcp")
+RESHARDABLE = ("megatron", "megatron-dist", "dcp", "deepspeed")
 OPTIMIZER_PREFIX = "optimizer."
 
 
@@ -55,7 +55,7 @@ class ReshardResult:
 
 def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers: int = 1,
             dry_run: bool = False, overwrite: bool = False, true_vocab_size: int | None = None,
-            drop_optimizer: bool = False,
+            drop_optimizer: bool = False, options: dict | None = None,
             progress: Callable[[int], object] | None = None) -> ReshardResult:
     """Rewrite checkpoint ``src`` at ``dst`` in its own format, the topology changed by ``to``.
 
@@ -67,11 +67,12 @@ def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers
         raise UnsupportedFormat(f"reshard of {opened.format} checkpoints is not implemented yet",
                                 path=opened.store.url, hint=f"Supported now: {', '.join(RESHARDABLE)}")
     changes = {k: v for k, v in to.items() if v is not None}
-    if not changes:
+    if not changes and not any(v is not None for v in (options or {}).values()):
         raise UsageError("nothing to change", hint="Give at least one of --to-tp, --to-pp, --to-dp")
     return rewrite(opened, dst, opened.format, to=changes, expect=expect, workers=workers,
                    dry_run=dry_run, overwrite=overwrite, true_vocab_size=true_vocab_size,
-                   drop_optimizer=drop_optimizer, progress=progress)
+                   drop_optimizer=drop_optimizer, progress=progress,
+                   options={k: v for k, v in (options or {}).items() if v is not None})
 
 
 def convert(src: str, dst: str, *, to_format: str, to: dict | None = None, workers: int = 1,
