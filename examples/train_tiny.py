@@ -95,6 +95,13 @@ class Groups:
 G: Groups
 
 
+def _tp_sum(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    if G.tp > 1:
+        dist.all_reduce(x, group=G.tp_group)
+    return x
+
+
 class _CopyToTP(torch.autograd.Function):
     """Identity forward; all-reduce of the gradient over TP backward."""
 
@@ -104,10 +111,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        if G.tp > 1:
-            dist.all_reduce(grad, group=G.tp_group)
-        return grad
+        return _tp_sum(grad)
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -115,10 +119,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        x = x.contiguous()
-        if G.tp > 1:
-            dist.all_reduce(x, group=G.tp_group)
-        return x
+        return _tp_sum(x)
 
     @staticmethod
     def backward(ctx, grad):
