@@ -1,12 +1,13 @@
-"""Background writer: a thread (what AsyncCheckpointer uses) or a persistent process?
+"""Background writer: a thread or a persistent process? `AsyncCheckpointer(writer=...)`.
 
-The question is what the background write costs the training loop that keeps running while
-it writes. A training proxy (small matmuls with Python between them, as a framework's
-dispatch holds the GIL) runs for the duration of one background save of the same staged
-state, written (a) by a thread in the training process, (b) by a persistent writer process
-that shares the staging buffers (shared memory, set up once). Both hash while writing and
-fsync, with the same ckptool writer. Printed: step time of the proxy during the write vs
-idle, and the write's wall time, side by side.
+What a background write costs the training loop that keeps running while it writes. A
+training proxy (small matmuls with Python between them, as a framework's dispatch holds
+the GIL) runs while one `AsyncCheckpointer.save` of the same state is written in the
+background, by (a) `writer="thread"`, a thread in the training process, (b)
+`writer="process"`, a persistent writer process reading the shared-memory staging
+buffers. Both hash while writing, fsync and commit. A warm-up save comes first (buffers
+allocated, process started). Printed side by side: how long `save()` blocked, the proxy's
+step time during the write vs idle, and the time until the checkpoint was committed.
 
     python benchmarks/writer_thread_vs_process.py [--size-gb 0.5] [--dir DIR]
 """
@@ -14,12 +15,10 @@ idle, and the write's wall time, side by side.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -29,32 +28,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 warnings.filterwarnings("ignore")
 
-from ckptool.core.dcpwrite import DcpFileWriter  # noqa: E402
-from ckptool.core.storage import Store  # noqa: E402
+from training import AsyncCheckpointer  # noqa: E402
 
 
-def write_all(root: str, name: str, buffers: list[torch.Tensor]) -> float:
-    t = time.perf_counter()
-    store = Store.open(root)
-    store.fs.makedirs(store.root, exist_ok=True)
-    with DcpFileWriter(store, name) as w:
-        for i, b in enumerate(buffers):
-            w.add_chunk(f"t{i}", (0, 0), tuple(b.shape), b)
-    return time.perf_counter() - t
-
-
-def _writer_process(conn, buffers):
-    """A persistent writer: waits for (root, name), writes the shared buffers, replies."""
-    torch.set_num_threads(1)
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            return
-        conn.send(write_all(*msg, buffers))
-
-
-def proxy_steps(stop: threading.Event | None, seconds: float | None = None) -> list[float]:
-    """Training proxy: matmuls with Python in between; returns per-step times."""
+def proxy_steps(until, seconds: float | None = None) -> list[float]:
+    """Training proxy: matmuls with Python in between; per-step times until ``until()``."""
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     times, start = [], time.perf_counter()
     while True:
@@ -64,7 +42,7 @@ def proxy_steps(stop: threading.Event | None, seconds: float | None = None) -> l
             x = torch.tanh(x @ b) * 0.5
             _ = [i * i for i in range(200)]  # framework Python: holds the GIL
         times.append(time.perf_counter() - t)
-        if stop is not None and stop.is_set():
+        if until is not None and until():
             break
         if seconds is not None and time.perf_counter() - start > seconds:
             break
@@ -80,53 +58,33 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="ckptool-writer-bench-", dir=args.dir))
     n = 8
     rows = int(args.size_gb * (1 << 30) / 4 / n / 4096)
-    buffers = [torch.randn(rows, 4096).share_memory_() for _ in range(n)]
+    g = torch.Generator().manual_seed(0)
+    state = {f"layers.{i}.weight": torch.randn(rows, 4096, generator=g) for i in range(n)}
+    gb = sum(t.numel() * 4 for t in state.values()) / 1e9
     try:
         idle = statistics.median(proxy_steps(None, seconds=3.0))
-
         results = {}
-        # (a) thread
-        stop, out = threading.Event(), {}
-
-        def run_thread():
-            out["wall"] = write_all(str(base / "thread"), "__0_0.distcp", buffers)
-            stop.set()
-
-        th = threading.Thread(target=run_thread)
-        th.start()
-        steps = proxy_steps(stop)
-        th.join()
-        results["thread"] = (statistics.median(steps), out["wall"], len(steps))
-        shutil.rmtree(base / "thread")
-
-        # (b) persistent process sharing the buffers (started before the save, as it would be)
-        ctx = mp.get_context("fork")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_writer_process, args=(child, buffers), daemon=True)
-        proc.start()
-        time.sleep(0.5)
-        stop = threading.Event()
-
-        def run_process():
-            parent.send((str(base / "process"), "__0_0.distcp"))
-            out["wall"] = parent.recv()
-            stop.set()
-
-        th = threading.Thread(target=run_process)
-        th.start()
-        steps = proxy_steps(stop)
-        th.join()
-        parent.send(None)
-        proc.join()
-        results["process"] = (statistics.median(steps), out["wall"], len(steps))
-
-        gb = sum(b.numel() * 4 for b in buffers) / 1e9
+        for mode in ("thread", "process"):
+            ckpt = AsyncCheckpointer(base / mode, keep_last=1, writer=mode)
+            ckpt.save(0, state)  # warm-up: buffers, writer process
+            ckpt.wait()
+            t0 = time.perf_counter()
+            ckpt.save(1, state)
+            blocked = time.perf_counter() - t0
+            steps = proxy_steps(lambda: not ckpt._thread.is_alive())
+            ckpt.wait()
+            results[mode] = (blocked, statistics.median(steps), time.perf_counter() - t0)
+            ckpt.close()
+            shutil.rmtree(base / mode)
         print(f"state {gb:.2f} GB; proxy step idle {idle * 1e3:.2f} ms (median)")
-        print(f"{'writer':<10} {'step during write':>18} {'slowdown':>9} {'write wall':>11} {'GB/s':>6}")
-        for name, (step, wall, count) in results.items():
-            print(f"{name:<10} {step * 1e3:>15.2f} ms {step / idle:>8.2f}x {wall:>9.2f} s {gb / wall:>6.2f}")
+        print(f"{'writer':<9}{'save() blocked':>16}{'step during write':>19}{'slowdown':>10}"
+              f"{'committed after':>17}{'GB/s':>7}")
+        for mode, (blocked, step, wall) in results.items():
+            print(f"{mode:<9}{blocked:>14.3f} s{step * 1e3:>16.2f} ms{step / idle:>9.2f}x"
+                  f"{wall:>15.2f} s{gb / wall:>7.2f}")
         t, p = results["thread"], results["process"]
-        print(f"ratio process/thread: step time {p[0] / t[0]:.2f}x, write wall {p[1] / t[1]:.2f}x")
+        print(f"ratio process/thread: step time during write {p[1] / t[1]:.2f}x, "
+              f"time to commit {p[2] / t[2]:.2f}x")
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

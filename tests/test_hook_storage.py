@@ -87,3 +87,32 @@ def test_a_failed_save_raises_on_the_next_save_too(quota_fs):
     ckpt.save(1, _state(1.0))
     with pytest.raises(OSError, match="No space left on device"):
         ckpt.save(2, _state(2.0))  # the second save waits for the first and raises its error
+
+
+def test_process_writer_saves_loads_and_reports_errors(tmp_path, run_cli):
+    """writer="process": a persistent writer process writes from shared-memory staging."""
+    from training import AsyncCheckpointer
+
+    ckpt = AsyncCheckpointer(tmp_path / "run", keep_last=2, writer="process")
+    try:
+        for step in (1, 2, 3):
+            ckpt.save(step, _state(float(step)))
+        ckpt.wait()
+        assert ckpt._writer._proc.is_alive()  # one persistent process for every save
+    finally:
+        ckpt.close()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_00000002", "step_00000003"]
+    assert run_cli("verify", "--deep", tmp_path / "run" / "step_00000003").code == 0
+    state = {"w": torch.zeros(256, 256), "b": torch.zeros(256), "step": 0}
+    assert AsyncCheckpointer(tmp_path / "run").load_latest(state) == 3
+    assert torch.equal(state["w"], _state(3.0)["w"])
+    # A failure in the writer process surfaces on wait(), and nothing is committed.
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    bad = AsyncCheckpointer(blocker / "run", writer="process")
+    try:
+        bad.save(1, _state(1.0))
+        with pytest.raises(OSError, match="not committed"):
+            bad.wait()
+    finally:
+        bad.close()

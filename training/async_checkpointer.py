@@ -61,9 +61,15 @@ class AsyncCheckpointer:
 
     def __init__(self, root: str, keep_last: int = 3, process_group=None, *,
                  topology: dict | None = None, model_config: dict | None = None,
-                 true_vocab_size: int | None = None):
+                 true_vocab_size: int | None = None, writer: str = "thread"):
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep everything)")
+        if writer not in ("thread", "process"):
+            raise ValueError("writer must be 'thread' or 'process'")
+        # "process": a persistent writer process per rank hashes and writes from shared-memory
+        # staging buffers, so the write competes less with training for the GIL
+        # (benchmarks/writer_thread_vs_process.py); "thread" needs no extra process.
+        self._writer = _ProcessWriter() if writer == "process" else None
         self.root = Store.open(str(root))
         self.keep_last = keep_last
         # Recorded in the manifest so that offline tools know the layout (reshard, convert).
@@ -92,6 +98,14 @@ class AsyncCheckpointer:
         self._thread = threading.Thread(target=self._write, args=(step, name, chunks, objects),
                                         name="ckptool-async-save", daemon=True)
         self._thread.start()
+
+    def close(self) -> None:
+        """Wait for the last save, then stop the writer process (if any)."""
+        try:
+            self.wait()
+        finally:
+            if self._writer is not None:
+                self._writer.close()
 
     def wait(self) -> None:
         """Block until the last save is committed; raise its error if it failed."""
@@ -135,6 +149,8 @@ class AsyncCheckpointer:
             if buf is None:
                 buf = torch.empty(local.shape, dtype=local.dtype,
                                   pin_memory=local.is_cuda and torch.cuda.is_available())
+                if self._writer is not None:
+                    buf.share_memory_()  # the writer process reads it in place
                 self._buffers[slot] = buf
             buf.copy_(local, non_blocking=local.is_cuda)
             for key, shape, offsets, lengths, view in boxes(e.shard, buf):
@@ -154,13 +170,10 @@ class AsyncCheckpointer:
         result = _RankResult(error=None)
         tmp = self.root.child(name)
         try:
-            tmp.fs.makedirs(tmp.root, exist_ok=True)
-            with DcpFileWriter(tmp, f"__{self._rank}_0.distcp") as w:
-                for c in chunks:
-                    w.add_chunk(c.key, c.offsets, c.lengths, c.host)
-                for key, data in objects.items():
-                    w.add_bytes(key, data)
-            result = _RankResult(None, w.path, w.digest[0], w.digest[1], w.record(),
+            jobs = [(c.key, c.offsets, c.lengths, c.host) for c in chunks]
+            write = self._writer.write if self._writer is not None else write_rank_file
+            size, digest, record = write(tmp.url, f"__{self._rank}_0.distcp", jobs, objects)
+            result = _RankResult(None, record.path, size, digest, record,
                                  {c.key: (c.global_shape, c.host.dtype) for c in chunks})
         except BaseException as exc:  # noqa: BLE001 - reported to every rank, raised on wait()
             result = _RankResult(f"rank {self._rank}: {type(exc).__name__}: {exc}")
@@ -258,6 +271,66 @@ class AsyncCheckpointer:
         out = [None] * self._world
         dist.all_gather_object(out, result, group=self._side)
         return out
+
+
+def write_rank_file(url: str, name: str, jobs: list, objects: dict[str, bytes]):
+    """Write one rank's DCP file (hashing while writing, then fsync): (size, xxh3, record)."""
+    store = Store.open(url)
+    store.fs.makedirs(store.root, exist_ok=True)
+    with DcpFileWriter(store, name) as w:
+        for key, offsets, lengths, tensor in jobs:
+            w.add_chunk(key, offsets, lengths, tensor)
+        for key, data in objects.items():
+            w.add_bytes(key, data)
+    return w.digest[0], w.digest[1], w.record()
+
+
+def _writer_main(jobs, results) -> None:
+    """The persistent writer process: one rank file per job, until None."""
+    torch.set_num_threads(1)
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        try:
+            results.put(("ok", write_rank_file(*job)))
+        except BaseException as exc:  # noqa: BLE001 - sent back, raised by the trainer
+            results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class _ProcessWriter:
+    """A persistent writer process (spawned on first use). Staging buffers live in shared
+    memory, so a job carries only tensor handles and metadata."""
+
+    def __init__(self):
+        self._proc = None
+
+    def write(self, url: str, name: str, jobs: list, objects: dict[str, bytes]):
+        import torch.multiprocessing as mp
+
+        if self._proc is None or not self._proc.is_alive():
+            ctx = mp.get_context("spawn")
+            self._jobs, self._results = ctx.Queue(), ctx.Queue()
+            self._proc = ctx.Process(target=_writer_main, args=(self._jobs, self._results),
+                                     name="ckptool-writer", daemon=True)
+            self._proc.start()
+        self._jobs.put((url, name, jobs, objects))
+        while True:
+            try:
+                status, value = self._results.get(timeout=5.0)
+                break
+            except Exception:  # queue.Empty: check the writer is still there
+                if not self._proc.is_alive():
+                    raise OSError(f"the writer process died (exit code {self._proc.exitcode})")
+        if status == "error":
+            raise OSError(value)
+        return value
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            self._jobs.put(None)
+            self._proc.join(timeout=30)
+        self._proc = None
 
 
 def load(path: str, state: dict, rank: int = 0) -> int | None:
