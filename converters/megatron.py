@@ -441,6 +441,9 @@ class MegatronWriter(UnevenStages, Writer):
         if not any(k.endswith(".rng_state") for k in index.objects):
             notes.append("the source has no RNG state, so none is written: resume with Megatron's "
                          "--no-load-rng")
+        if not any(k.startswith(optim.PREFIX) for k in index.tensors) and not index.unmapped:
+            notes.append("the source holds no optimizer state, so none is written: start Megatron "
+                         "with --no-load-optim (or --finetune); ckptool never invents one")
         return notes
 
     def source_schema(self, opened) -> str:
