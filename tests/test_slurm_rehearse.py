@@ -38,6 +38,8 @@ def test_rehearsal_resumes_from_the_previous_good_checkpoint(tmp_path, mode):
     for step, (first, again) in redone.items():
         assert abs(first - again) <= 1e-5 * abs(first), (step, first, again)
     assert max(by_step) == 10
+    # The crashed save's temporary directory was swept once that step was committed again.
+    assert not [p.name for p in (tmp_path / "run").iterdir() if ".tmp-" in p.name]
 
 
 def test_prelaunch_refuses_a_run_with_no_valid_checkpoint(tmp_path):

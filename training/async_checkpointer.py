@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import threading
 import uuid
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from training.state import boxes, describe, dotted, set_leaf
 logger = logging.getLogger(__name__)
 
 STEP_DIR = "step_{:08d}"
+_TMP_STEP = re.compile(r"^step_(\d{8})\.tmp-[0-9a-f]+$")
 
 
 @dataclass
@@ -221,10 +223,23 @@ class AsyncCheckpointer:
             else:  # object stores: written in place; the manifest is the commit marker
                 final = tmp
             self._retain(final)
+            if final.is_local:
+                self._sweep(step)
             logger.info("[rank %s] committed %s", self._rank, final.url)
             return final.url
         except BaseException as exc:  # noqa: BLE001
             return f"error: rank 0 commit: {type(exc).__name__}: {exc}"
+
+    def _sweep(self, step: int) -> None:
+        """Remove the temporary directories of saves that never committed (a crashed job's)
+        for steps up to ``step``, which was just committed: no run can still need them."""
+        for name, is_dir in self.root.ls():
+            m = _TMP_STEP.match(name)
+            if is_dir and m and int(m.group(1)) <= step:
+                try:
+                    self.root.fs.rm(self.root.path(name), recursive=True)
+                except OSError:
+                    pass
 
     def _retain(self, newest: Store) -> None:
         """Delete committed checkpoints older than the ``keep_last`` newest; never others."""
