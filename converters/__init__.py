@@ -27,6 +27,7 @@ WRITERS = {
     "megatron-dist": "converters.megatron_dist:MegatronDistWriter",
     "dcp": "converters.dcp:DcpWriter",
     "hf": "converters.hf:HfWriter",
+    "deepspeed": "converters.deepspeed:DeepSpeedWriter",
 }
 
 # More specific layouts first: a DeepSpeed universal checkpoint also has model-state files,

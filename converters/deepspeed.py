@@ -1,24 +1,187 @@
-"""DeepSpeed checkpoints: ``latest`` + ``global_step{N}/`` with ``*_model_states.pt`` and
-``[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt``; pipeline engines add
-``layer_{idx:02d}-model_{tp:02d}-model_states.pt``.
+"""DeepSpeed checkpoints (plain engines: mp=1, no pipeline, no MoE), read and written.
+
+A run root has ``latest`` (the tag) and ``<tag>/`` (default ``global_step{N}``) with:
+
+* **model states**: ``mp_rank_00_model_states.pt`` (stages 0-2, written once) or
+  ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` (ZeRO-3, one per DP rank). ``module`` is
+  the model's state dict (full tensors in the model dtype; at ZeRO-3 every parameter is an
+  empty tensor and only buffers are real). ``param_shapes`` lists, per optimizer param
+  group, the trainable parameters in flat-buffer order, tied parameters once under their
+  owner; ``shared_params`` maps each alias to its owner. Frozen parameters are in ``module``
+  and, from stage 2, in ``frozen_param_fragments`` (ZeRO-3: each rank's slice).
+  ``dp_world_size`` is the only thing DeepSpeed checks against the job's DP size.
+* **optimizer states** ``[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt``, one per DP
+  rank, holding that rank's partition of each param group (:func:`zero_partition`,
+  :func:`zero3_partition`) for the fp32 masters and the Adam moments, plus the torch
+  optimizer's ``step`` and hyperparameters per group.
+
+The global view: every ``module`` entry by its name (aliases are replicas of the owner),
+and ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<name>`` for trainable parameters. At
+ZeRO-3 the fp32 partitions are the only copy of the weights, so they are the parameters
+themselves and there is no separate ``fp32_param`` entry.
+
+What ckptool writes carries a top-level ``ckptool`` entry in its model states (DeepSpeed
+hands unknown entries back as client state); without ``ckptool.json`` it is not committed.
 """
 
 from __future__ import annotations
 
-from ckptool.core.index import Reader
+import copy
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ckptool.core import VERSION, torchfile
+from ckptool.core.engine import TargetFile, TargetTensor
+from ckptool.core.errors import BadCheckpoint, TopologyError, UnreadableInput, UsageError
+from ckptool.core.index import (CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo,
+                                 Writer)
+from ckptool.core.manifest import HashingWriter
+from ckptool.core.regions import Region, Shard, byte_runs
 from ckptool.core.storage import Store
+from ckptool.core.topology import Topology
+from ckptool.core.torchfile import Pending, TensorRef, TorchFile
+from converters.megatron_optimizer import state_key
 
 NAME = "deepspeed"
 LATEST = "latest"
 MODEL_STATES_SUFFIX = "_model_states.pt"
+LAYOUT_KEY = "deepspeed.layout"
+MARK = "ckptool"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+_MP_STATES = re.compile(r"^mp_rank_(\d{2})_model_states\.pt$")
+_ZERO_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt$")
+_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2})_?optim_states\.pt$")
+_LAYER = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
+_STEP_DIR = re.compile(r"^global_step(\d+)$")
+_PER_RANK = ("base_optimizer_state", "optimizer_state_dict", "single_partition_of_fp32_groups",
+             "fp32_flat_groups", "group_paddings", "partition_count", "param_slice_mappings")
+"""Optimizer-file entries that depend on the DP rank; the others are carried as they are."""
+
+Group = list[tuple[str, tuple[int, ...]]]
+
+
+# ------------------------------------------------------------------- the layout rules
+
+
+def zero_partition(group: Group, dp: int, rank: int, key=lambda name: name) -> tuple[Shard, int]:
+    """ZeRO-1/2: ``rank``'s partition of one param group's flat buffer, and its padding.
+
+    The group's parameters are concatenated in ``param_shapes`` order, the buffer is padded
+    at the tail to a multiple of ``2*dp`` and cut into ``dp`` equal partitions of P elements;
+    rank r owns ``[r*P, (r+1)*P)``, so a parameter can straddle ranks. The Adam moments keep
+    the padding (zeros); ``single_partition_of_fp32_groups`` drops it (BF16_Optimizer keeps
+    it); ``group_paddings[g][r]`` counts it. ``key`` names the regions' global tensor.
+    """
+    total = sum(math.prod(shape) for _, shape in group)
+    per_rank = -(-total // (2 * dp)) * 2
+    lo, hi = rank * per_rank, (rank + 1) * per_rank
+    parts, offset = [], 0
+    for name, shape in group:
+        n = math.prod(shape)
+        start, stop = max(offset, lo), min(offset + n, hi)
+        if start < stop:
+            parts.append((start - lo, Region.whole(key(name), shape, (start - offset, stop - offset))))
+        offset += n
+    return Shard((per_rank,), tuple(parts)), max(0, hi - max(lo, total))
+
+
+def zero3_partition(group: Group, dp: int, rank: int, key=lambda name: name) -> Shard:
+    """ZeRO-3: each parameter is cut alone into ``dp`` slices of ``ceil(n/dp)`` elements (the
+    last zero-padded); a rank's flat group is its slices in ``param_shapes`` order. The same
+    rule cuts ``frozen_param_fragments`` (one parameter at a time)."""
+    parts, offset = [], 0
+    for name, shape in group:
+        n = math.prod(shape)
+        size = -(-n // dp)
+        start, stop = min(rank * size, n), min((rank + 1) * size, n)
+        if start < stop:
+            parts.append((offset, Region.whole(key(name), shape, (start, stop))))
+        offset += size
+    return Shard((offset,), tuple(parts))
+
+
+@dataclass
+class Layout:
+    """What a DeepSpeed writer needs beyond the tensors: the source's structure and the
+    non-tensor entries of its files (rank 0's), carried as they are."""
+
+    tag: str
+    stage: int
+    bf16_files: bool
+    """Optimizer files are named ``bf16_zero_pp_rank_*`` (bf16 runs)."""
+    bf16_optimizer: bool
+    """BF16_Optimizer files: fp32 partitions keep the padding; no ``zero_stage``."""
+    groups: list[Group]
+    frozen: Group
+    shared: dict[str, str]
+    module: list[tuple[str, tuple[int, ...], torch.dtype]]
+    """``module`` entries in file order (at ZeRO-3, parameters have shape (0,))."""
+    model_states: dict
+    """Rank 0's model states, ``module`` and ``frozen_param_fragments`` set to None."""
+    optim_file: dict
+    """Rank 0's optimizer file, ``optimizer_state_dict`` set to None."""
+    osd: dict
+    """Rank 0's ``optimizer_state_dict`` without the per-rank entries."""
+    hyper: list[dict]
+    steps: list[Any]
+    fragment_type: Any = None
+    """The class of ``param_slice_mappings`` values (``fragment_address``), kept opaque."""
+
+    @property
+    def trainable(self) -> set[str]:
+        return {name for group in self.groups for name, _ in group}
+
+    @property
+    def params(self) -> set[str]:
+        """Every parameter name of ``module`` (trainable, frozen, aliases): not buffers."""
+        return self.trainable | {name for name, _ in self.frozen} | set(self.shared)
+
+
+# ------------------------------------------------------------------------- reading
 
 
 def _has_model_states(store: Store, rel: str = "") -> bool:
     return any(not d and n.endswith(MODEL_STATES_SUFFIX) for n, d in store.ls(rel))
 
 
+def _tag(store: Store) -> str:
+    """The directory (relative) that holds the files: the store itself, ``latest``'s tag, or
+    the newest ``global_step*``."""
+    if _has_model_states(store):
+        return ""
+    if store.exists(LATEST) and not store.isdir(LATEST):
+        tag = store.read_bytes(LATEST).decode(errors="replace").strip()
+        if tag and "/" not in tag and store.isdir(tag):
+            return tag
+    steps = sorted((int(m.group(1)), n) for n, d in store.ls() if d and (m := _STEP_DIR.match(n)))
+    if steps:
+        return steps[-1][1]
+    raise UnreadableInput("no DeepSpeed model-states files found", path=store.url)
+
+
+def _resolve(obj: Any, path: tuple) -> Any:
+    for step in path:
+        obj = obj[step]
+    return obj
+
+
+def _ranks(found: dict[int, str], dp: int, what: str, where: str) -> list[str]:
+    if sorted(found) != list(range(dp)):
+        raise BadCheckpoint(f"{what} files are for DP ranks {sorted(found)}, dp_world_size is {dp}",
+                            path=where)
+    return [found[r] for r in range(dp)]
+
+
 class DeepSpeedReader(Reader):
     name = NAME
+
+    def __init__(self):
+        self._files: dict[str, TorchFile] = {}
 
     @classmethod
     def detect(cls, store: Store) -> bool:
@@ -32,7 +195,438 @@ class DeepSpeedReader(Reader):
                 and not store.isdir(f"{tag}/zero")
         return False
 
-    def read_index(self, store):
-        from converters import not_yet
+    def _load(self, store: Store, rel: str) -> TorchFile:
+        if rel not in self._files:
+            try:
+                read = store.range_reader(rel)
+            except UnreadableInput:
+                raise BadCheckpoint("file is missing", path=store.display(rel)) from None
+            archive = TorchFile(read, read.size, store.display(rel))
+            if not isinstance(archive.obj, dict):
+                raise BadCheckpoint("file does not hold a dict", path=store.display(rel))
+            self._files[rel] = archive
+        return self._files[rel]
 
-        not_yet(NAME, 5)
+    def read_index(self, store: Store) -> CheckpointIndex:
+        tag = _tag(store)
+        where = store.display(tag)
+        join = (lambda n: f"{tag}/{n}") if tag else (lambda n: n)
+        names = [n for n, d in store.ls(tag) if not d]
+        if any(_LAYER.match(n) for n in names):
+            raise UnreadableInput("DeepSpeed pipeline checkpoints (layer_*-model_*) are not "
+                                  "supported yet", path=where)
+        zero3 = {int(m.group(1)): join(n) for n in names if (m := _ZERO_STATES.match(n))}
+        optim = {int(m.group(2)): join(n) for n in names if (m := _OPTIM.match(n))}
+        mp_ranks = {m.group(m.re.groups) for n in names
+                    if (m := _MP_STATES.match(n) or _ZERO_STATES.match(n) or _OPTIM.match(n))}
+        if mp_ranks - {"00"}:
+            raise UnreadableInput("model-parallel DeepSpeed checkpoints (mp_rank > 00) are not "
+                                  "supported yet", path=where)
+        first = zero3.get(0) or join("mp_rank_00_model_states.pt")
+        ms = self._load(store, first).obj
+        module = ms.get("module")
+        if not isinstance(module, dict) or not all(isinstance(v, TensorRef) for v in module.values()):
+            raise BadCheckpoint("model states have no `module` state dict of tensors",
+                                path=store.display(first))
+        if (zero3 or ms.get("param_shapes")) and not optim:
+            raise BadCheckpoint("the ZeRO optimizer-states files are missing", path=where)
+        dp = int(ms.get("dp_world_size") or 1)
+        osd = None
+        if optim:
+            optim_rels = _ranks(optim, dp, "optimizer", where)
+            osd = self._load(store, optim_rels[0]).obj.get("optimizer_state_dict")
+            if not isinstance(osd, dict):
+                raise BadCheckpoint("optimizer file has no optimizer_state_dict",
+                                    path=store.display(optim_rels[0]))
+        stage = 3 if zero3 else _stage(osd, ms)
+        index = CheckpointIndex(format=NAME, url=store.url, topology=Topology(dp=dp, zero=stage),
+                                iteration=_int(ms.get("global_steps")),
+                                format_version=str(ms.get("ds_version") or "") or None,
+                                written_by_ckptool=MARK in ms)
+        for key in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "ds_config"):
+            if key in ms:
+                index.objects[key] = ObjectInfo(key, value=self._load(store, first).materialize(ms[key]))
+        if stage == 0:
+            self._read_module(store, index, first, ms, _aliases(module))
+            if ms.get("optimizer"):
+                index.unmapped = ("DeepSpeed stage-0 optimizer state is a torch state dict that does "
+                                  "not name its parameters")
+            return index
+        model_rels = _ranks(zero3, dp, "ZeRO-3 model-states", where) if zero3 else [first]
+        layout = self._layout(store, tag, stage, first, optim, osd)
+        index.objects[LAYOUT_KEY] = ObjectInfo(LAYOUT_KEY, value=layout)
+        index.objects["optimizer.step"] = ObjectInfo("optimizer.step", value=layout.steps)
+        index.objects["optimizer.param_groups"] = ObjectInfo("optimizer.param_groups", value=layout.hyper)
+        if stage < 3:
+            self._read_module(store, index, first, ms, layout.shared)
+        else:
+            self._read_zero3_model_states(store, index, model_rels, layout)
+        for rank, rel in enumerate(optim_rels):
+            self._read_partitions(store, index, rel, rank, dp, layout)
+        for key, info in index.tensors.items():
+            if not info.pieces:
+                raise BadCheckpoint("tensor has only replicas, no primary copy", path=where, key=key)
+        return index
+
+    def _layout(self, store, tag, stage, first, optim, osd) -> Layout:
+        """The structure of the source and its non-tensor entries (rank 0's files)."""
+        source = store.display(optim[0])
+        ms = self._load(store, first).obj
+        groups = [[(n, tuple(s)) for n, s in g.items()] for g in ms.get("param_shapes") or []]
+        if not groups:
+            raise BadCheckpoint("model states have no param_shapes", path=store.display(tag))
+        module = ms["module"]
+        shared = dict(ms.get("shared_params") or {})
+        trainable = {n for g in groups for n, _ in g}
+        buffers = set(ms.get("buffer_names") or ())
+        frozen_shapes = ms.get("frozen_param_shapes")
+        frozen = [(n, tuple(s)) for n, s in frozen_shapes.items()] if frozen_shapes else \
+            [(n, tuple(v.shape)) for n, v in module.items()
+             if n not in trainable and n not in buffers and n not in shared]
+        if any(any(p) for p in osd.get("param_alignment_paddings") or ()):
+            raise UnreadableInput("parameter_alignment padding between parameters is not "
+                                  "supported yet", path=source)
+        base = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
+        if not isinstance(base, dict):
+            raise UnreadableInput("elastic DeepSpeed optimizer checkpoints are not supported yet",
+                                  path=source, hint="Save with elastic_checkpoint off")
+        if sorted(base.get("state", {})) != list(range(len(groups))) or \
+                len(base.get("param_groups", ())) != len(groups):
+            raise UnreadableInput("the optimizer has not one partition per param group "
+                                  "(ZeRO-3 sub_group_size below a group's size?)", path=source)
+        archive = self._load(store, optim[0])
+        fragments = [v for g in osd.get("param_slice_mappings") or () for v in g.values()]
+        model_states = {k: (None if k in ("module", "frozen_param_fragments") else v)
+                        for k, v in ms.items()}
+        return Layout(
+            tag=tag or "global_step%d" % (_int(ms.get("global_steps")) or 0), stage=stage,
+            bf16_files=optim[0].rsplit("/", 1)[-1].startswith("bf16_"),
+            bf16_optimizer="zero_stage" not in osd, groups=groups, frozen=frozen, shared=shared,
+            module=[(n, tuple(v.shape), v.dtype) for n, v in module.items()],
+            model_states=self._load(store, first).materialize(model_states),
+            optim_file={k: (None if k == "optimizer_state_dict" else archive.materialize(v))
+                        for k, v in archive.obj.items()},
+            osd={k: archive.materialize(v) for k, v in osd.items() if k not in _PER_RANK},
+            hyper=[{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]],
+            steps=[archive.materialize(base["state"][g].get("step")) for g in range(len(groups))],
+            fragment_type=type(fragments[0]) if fragments else None)
+
+    def _read_module(self, store, index, rel, ms, shared) -> None:
+        """Stages 0-2: every ``module`` entry is a full tensor; aliases (and stage 2's frozen
+        fragments) are replicas."""
+        for name, ref in ms["module"].items():
+            owner = shared.get(name)
+            _add(index, owner or name, ref, Region.whole(owner or name, ref.shape), rel,
+                 ("module", name), 0, replica=owner is not None)
+        for name, ref in (ms.get("frozen_param_fragments") or {}).items():
+            _add(index, name, ref, Region.whole(name, ref.shape), rel,
+                 ("frozen_param_fragments", name), 0, replica=True)
+
+    def _read_zero3_model_states(self, store, index, rels, layout) -> None:
+        """ZeRO-3: buffers are full in every rank's ``module`` (rank 0's is primary); frozen
+        parameters are cut across ranks' ``frozen_param_fragments``."""
+        for rank, rel in enumerate(rels):
+            ms = self._load(store, rel).obj
+            for name, ref in ms["module"].items():
+                if name not in layout.params:
+                    _add(index, name, ref, Region.whole(name, ref.shape), rel, ("module", name), 0,
+                         replica=rank > 0)
+            fragments = ms.get("frozen_param_fragments") or {}
+            for name, shape in layout.frozen:
+                ref = fragments.get(name)
+                shard = zero3_partition([(name, shape)], len(rels), rank)
+                if not isinstance(ref, TensorRef) or ref.numel != shard.shape[0]:
+                    raise BadCheckpoint(f"frozen fragment is not this rank's ZeRO-3 slice "
+                                        f"({shard.shape[0]} elements)", path=store.display(rel),
+                                        key=name)
+                for offset, region in shard.parts:
+                    _add(index, name, ref, region, rel, ("frozen_param_fragments", name), offset)
+
+    def _read_partitions(self, store, index, rel, rank, dp, layout) -> None:
+        """One rank's optimizer file: its partition of every group, checked against the rule."""
+        source = store.display(rel)
+        osd = self._load(store, rel).obj.get("optimizer_state_dict") or {}
+        zero3 = layout.stage == 3
+        moments_at = ("optimizer_state_dict", "optimizer_state_dict" if zero3 else "base_optimizer_state")
+        masters_at = ("optimizer_state_dict", "fp32_flat_groups" if zero3 else "single_partition_of_fp32_groups")
+        base = osd.get(moments_at[1])
+        states = (base.get("state") or {}) if isinstance(base, dict) else {}
+        masters = osd.get(masters_at[1]) or []
+        if len(masters) != len(layout.groups):
+            raise BadCheckpoint("optimizer file does not hold one fp32 partition per param group",
+                                path=source)
+        for g, group in enumerate(layout.groups):
+            if zero3:  # the masters are the weights themselves
+                shard, weights = zero3_partition(group, dp, rank), None
+                fp32_len = shard.shape[0]
+            else:
+                shard, pad = zero_partition(group, dp, rank)
+                weights, fp32_len = "fp32_param", shard.shape[0] - (0 if layout.bf16_optimizer else pad)
+                paddings = osd.get("group_paddings") or []
+                if not layout.bf16_optimizer and (len(paddings) <= g or paddings[g] != pad):
+                    raise BadCheckpoint(f"group_paddings do not follow the ZeRO rule ({pad} "
+                                        f"expected for group {g})", path=source)
+            vectors = [(kind, states.get(g, {}).get(kind), (*moments_at, "state", g, kind), shard.shape[0])
+                       for kind in MOMENTS]
+            vectors.append((weights, masters[g], (*masters_at, g), fp32_len))
+            for kind, ref, path, length in vectors:
+                if not isinstance(ref, TensorRef) or ref.numel != length:
+                    raise BadCheckpoint(f"{kind or 'fp32 weights'} of param group {g} has "
+                                        f"{getattr(ref, 'numel', 'no')} elements, the ZeRO-{layout.stage} "
+                                        f"rule at DP{dp} says {length}", path=source)
+                for offset, region in shard.parts:
+                    key = state_key(kind, region.key) if kind else region.key
+                    _add(index, key, ref, replace(region, key=key), rel, path, offset)
+
+    def _ref(self, store: Store, piece: Piece) -> tuple[TorchFile, TensorRef, int]:
+        path, offset = piece.location.detail
+        archive = self._load(store, piece.location.file)
+        return archive, _resolve(archive.obj, path), offset
+
+    def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+        archive, ref, offset = self._ref(store, piece)
+        return archive.read_elements(ref, offset, piece.region.numel).view(piece.region.local_shape)
+
+    def read_box(self, store: Store, piece: Piece, dtype: torch.dtype, box) -> torch.Tensor:
+        archive, ref, offset = self._ref(store, piece)
+        runs = [(offset + start, n) for start, n in byte_runs(piece.region, box)]
+        return archive.read_runs(ref, runs).view(box[1])
+
+
+def _add(index: CheckpointIndex, key: str, ref: TensorRef, region: Region, rel: str, path: tuple,
+         offset: int, replica: bool = False) -> None:
+    """Record that ``region`` of ``key`` is stored at element ``offset`` of ``ref``."""
+    info = index.tensors.get(key)
+    if info is None:
+        info = index.tensors[key] = TensorInfo(key, region.global_shape, ref.dtype)
+    elif info.shape != region.global_shape or info.dtype != ref.dtype:
+        raise BadCheckpoint(f"stored as {list(region.global_shape)} {ref.dtype} and as "
+                            f"{list(info.shape)} {info.dtype}", path=index.url, key=key)
+    if region.flat is None and tuple(ref.shape) != region.lengths:
+        raise BadCheckpoint(f"tensor is {list(ref.shape)}, expected {list(region.lengths)}",
+                            path=index.url, key=key)
+    index.files[rel] = 1
+    (info.replicas if replica else info.pieces).append(Piece(region, Location(rel, detail=(path, offset))))
+
+
+def _aliases(module: dict) -> dict[str, str]:
+    """Tied entries of a state dict that records no ``shared_params`` (stage 0): torch.save
+    stores a tied tensor once, so later names of the same tensor are aliases of the first."""
+    first: dict[TensorRef, str] = {}
+    return {name: first.setdefault(ref, name) for name, ref in module.items()
+            if first.setdefault(ref, name) != name}
+
+
+def _stage(osd: dict | None, ms: dict) -> int:
+    """The ZeRO stage: the optimizer file's ``zero_stage`` enum (kept opaque: its argument),
+    else the config's (BF16_Optimizer files have no enum), else 0 (no optimizer files)."""
+    if osd is None:
+        return 0
+    enum = osd.get("zero_stage")
+    args = getattr(enum, "_args", None)
+    if args and isinstance(args[0], int):
+        return args[0]
+    config = (ms.get("ds_config") or {}).get("zero_optimization") or {}
+    return int(config.get("stage", 1)) or 1
+
+
+def _int(value) -> int | None:
+    return int(value) if isinstance(value, int) else None
+
+
+# ------------------------------------------------------------------------- writing
+
+
+class DeepSpeedWriter(Writer):
+    """Writes a DeepSpeed run root (``latest`` + ``<tag>/``) from a DeepSpeed ZeRO source at
+    a new DP size, and between stages 1 and 2 (their files have the same shape) or from 3 to
+    1 or 2. Every rank's partitions are laid out by the rules above; the non-tensor entries
+    are the source's, with ``dp_world_size``, the stage and the partition bookkeeping
+    rewritten. Stage 1/2 to 3 is refused: ZeRO-3 files have no place for model-dtype weights."""
+
+    name = NAME
+
+    def target_topology(self, source: Topology, changes: dict) -> Topology:
+        target = replace(source, **changes)
+        for axis in ("tp", "pp", "ep", "vpp"):
+            if getattr(target, axis) != 1:
+                raise TopologyError(f"DeepSpeed output with {axis.upper()}{getattr(target, axis)} is "
+                                    "not supported yet", hint="Only mp=1 engines without pipeline "
+                                    "are written; keep --to-tp 1 --to-pp 1")
+        if source.zero == 0 or target.zero == 0:
+            raise TopologyError("DeepSpeed output is written only from a DeepSpeed ZeRO checkpoint, "
+                                "at ZeRO-1/2/3",
+                                hint="Stage-0 checkpoints load at any DP size as they are")
+        if target.zero == 3 and source.zero != 3:
+            raise TopologyError(f"changing ZeRO-{source.zero} to ZeRO-3 is not supported yet: "
+                                "ZeRO-3 files keep no model-dtype weights, only the fp32 masters",
+                                hint="Stages 1 and 2 convert into each other, and ZeRO-3 into both")
+        return target
+
+    def target_spec(self, index, source, target, true_vocab_size):
+        if LAYOUT_KEY not in index.objects:
+            raise UsageError(f"DeepSpeed output is written only from a DeepSpeed ZeRO checkpoint, "
+                             f"not from {index.format}", path=index.url)
+        layout = index.objects[LAYOUT_KEY].value
+        if layout.bf16_optimizer and target.zero != 1:
+            raise TopologyError("BF16_Optimizer checkpoints stay at ZeRO-1", path=index.url)
+        return None
+
+    def source_schema(self, opened) -> str:
+        return NAME
+
+    def plan(self, index: CheckpointIndex, topo: Topology, spec, schema: str,
+             with_optimizer: bool = True) -> list[TargetFile]:
+        if not with_optimizer:
+            raise UsageError("DeepSpeed ZeRO checkpoints keep the fp32 weights in the optimizer "
+                             "files, so --drop-optimizer cannot apply", path=index.url,
+                             hint="Convert to hf or dcp for the weights alone")
+        layout: Layout = index.objects[LAYOUT_KEY].value
+        tag, files = layout.tag, []
+        if topo.zero < 3:
+            files.append(self._model_file(f"{tag}/mp_rank_00_model_states.pt", index, layout, topo, 0))
+        prefix = "bf16_" if layout.bf16_files else ""
+        for rank in range(topo.dp):
+            if topo.zero == 3:
+                files.append(self._model_file(f"{tag}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
+                                              index, layout, topo, rank))
+            files.append(self._optim_file(f"{tag}/{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                                          index, layout, topo, rank))
+        return files
+
+    def _model_file(self, path, index, layout: Layout, topo: Topology, rank: int) -> TargetFile:
+        """Model states: ``module`` (full tensors; at ZeRO-3 only buffers) and, from stage 2,
+        the frozen parameters (ZeRO-3: this rank's slice)."""
+        target = TargetFile(path, context={"kind": "model", "rank": rank, "topo": topo})
+        for name, shape, dtype in layout.module:
+            if topo.zero == 3 and name in layout.params:
+                continue
+            key = layout.shared.get(name, name)
+            target.tensors.append(TargetTensor(("module", name), Shard.of(
+                Region.whole(key, index.tensors[key].shape)), index.tensors[key].dtype))
+        if topo.zero >= 2:
+            for name, shape in layout.frozen:
+                shard = zero3_partition([(name, shape)], topo.dp, rank) if topo.zero == 3 else \
+                    Shard.of(Region.whole(name, shape))
+                target.tensors.append(TargetTensor(("frozen", name), shard, index.tensors[name].dtype))
+        return target
+
+    def _optim_file(self, path, index, layout: Layout, topo: Topology, rank: int) -> TargetFile:
+        """One rank's partition of every group: the two moments and the fp32 masters."""
+        target = TargetFile(path, context={"kind": "optim", "rank": rank, "topo": topo, "pads": []})
+        for g, group in enumerate(layout.groups):
+            if topo.zero == 3:
+                shard, pad, fp32_len = zero3_partition(group, topo.dp, rank), 0, None
+            else:
+                shard, pad = zero_partition(group, topo.dp, rank)
+                fp32_len = shard.shape[0] - (0 if layout.bf16_optimizer else pad)
+            target.context["pads"].append(pad)
+            for kind in (*MOMENTS, "fp32_param"):
+                parts = tuple((o, replace(r, key=_state_key(index, kind, r.key))) for o, r in shard.parts)
+                length = fp32_len if kind == "fp32_param" and fp32_len is not None else shard.shape[0]
+                dtype = index.tensors[parts[0][1].key].dtype if parts else torch.float32
+                target.tensors.append(TargetTensor((g, kind), Shard((length,), parts), dtype))
+        return target
+
+    def write_file(self, store: Store, target: TargetFile, produce, index: CheckpointIndex,
+                   true_vocab_size: int | None) -> tuple[int, str]:
+        layout: Layout = index.objects[LAYOUT_KEY].value
+        ctx = target.context
+        pending = {t.name: Pending(t.name, t.shard.shape, t.dtype) for t in target.tensors}
+        tree = _model_states(layout, ctx["topo"], ctx["rank"], pending) if ctx["kind"] == "model" \
+            else _optim_states(layout, ctx["topo"], ctx["rank"], ctx["pads"], pending)
+        by_name = {t.name: t for t in target.tensors}
+        store.fs.makedirs(store.path(target.path.rsplit("/", 1)[0]), exist_ok=True)
+        with store.open_file(target.path, "wb") as raw:
+            out = HashingWriter(raw)
+            torchfile.save(tree, out, lambda p: produce(by_name[p.key]))
+            out.fsync()
+        return out.size, out.hexdigest()
+
+    def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
+        store.write_bytes(LATEST, index.objects[LAYOUT_KEY].value.tag.encode())
+        return [LATEST]
+
+
+def _state_key(index: CheckpointIndex, kind: str, name: str) -> str:
+    """The global tensor an optimizer vector comes from; a ZeRO-3 source has no separate
+    ``fp32_param``: its weights are the masters."""
+    key = state_key(kind, name)
+    return key if kind != "fp32_param" or key in index.tensors else name
+
+
+def _config(layout: Layout, topo: Topology) -> dict:
+    """The source's ds_config with the target's stage and per-GPU micro batch (DeepSpeed
+    stores it and does not read it on load)."""
+    config = copy.deepcopy(layout.model_states.get("ds_config") or {})
+    if isinstance(config.get("zero_optimization"), dict):
+        config["zero_optimization"]["stage"] = topo.zero
+    batch, gas = config.get("train_batch_size"), config.get("gradient_accumulation_steps") or 1
+    if isinstance(batch, int) and batch % (topo.dp * gas) == 0 and "train_micro_batch_size_per_gpu" in config:
+        config["train_micro_batch_size_per_gpu"] = batch // (topo.dp * gas)
+    return config
+
+
+def _model_states(layout: Layout, topo: Topology, rank: int, pending: dict) -> dict:
+    tree = dict(layout.model_states)
+    tree["param_shapes"] = [OrderedDict((n, torch.Size(s)) for n, s in group)
+                            for group in layout.groups]  # DeepSpeed calls .numel() on them
+    tree["module"] = OrderedDict(
+        (name, pending.get(("module", name), torch.empty(0, dtype=dtype)))
+        for name, shape, dtype in layout.module)
+    frozen = OrderedDict((n, pending[("frozen", n)]) for n, _ in layout.frozen) if topo.zero >= 2 else None
+    tree["frozen_param_fragments"] = frozen
+    tree["frozen_param_shapes"] = OrderedDict((n, torch.Size(s)) for n, s in layout.frozen) \
+        if frozen is not None else None
+    tree["shared_params"] = dict(layout.shared) if rank == 0 else {}
+    tree["dp_world_size"] = topo.dp
+    if "ds_config" in tree:
+        tree["ds_config"] = _config(layout, topo)
+    tree[MARK] = {"version": VERSION}
+    return tree
+
+
+def _optim_states(layout: Layout, topo: Topology, rank: int, pads: list[int], pending: dict) -> dict:
+    """One rank's optimizer file: the source's entries, the per-rank ones rewritten."""
+    groups = range(len(layout.groups))
+    state = {"state": {g: {"step": layout.steps[g],
+                           **{k: pending[(g, k)] for k in MOMENTS}} for g in groups},
+             "param_groups": [dict(h, params=[g]) for g, h in zip(groups, layout.hyper)]}
+    masters = [pending[(g, "fp32_param")] for g in groups]
+    osd = dict(layout.osd)
+    if "zero_stage" in osd and topo.zero != layout.stage:
+        osd["zero_stage"] = type(osd["zero_stage"])(topo.zero)
+    if layout.stage == 3 and topo.zero < 3:  # entries ZeRO-3 files lack, as DeepSpeed writes them
+        config = layout.model_states.get("ds_config") or {}
+        osd.update(clip_grad=float(config.get("gradient_clipping", 0.0)),
+                   param_alignment_paddings=[[0] * len(group) for group in layout.groups],
+                   ds_version=layout.model_states.get("ds_version"))
+    if topo.zero == 3:
+        osd.update(optimizer_state_dict=state, fp32_flat_groups=masters, partition_count=topo.dp)
+    else:
+        last = rank == topo.dp - 1
+        osd.update(base_optimizer_state=state, single_partition_of_fp32_groups=masters,
+                   partition_count=[topo.dp] * len(groups),
+                   group_paddings=[(pending[(g, "exp_avg")].shape[0] * topo.dp
+                                    - sum(math.prod(s) for _, s in layout.groups[g])) * last
+                                   for g in groups] if layout.bf16_optimizer else list(pads))
+        if layout.fragment_type is not None:
+            osd["param_slice_mappings"] = [_fragments(layout.fragment_type, group, topo.dp, rank)
+                                           for group in layout.groups]
+    tree = dict(layout.optim_file)
+    tree["optimizer_state_dict"] = osd
+    if "ds_config" in tree:
+        tree["ds_config"] = _config(layout, topo)
+    return tree
+
+
+def _fragments(cls: type, group: Group, dp: int, rank: int) -> OrderedDict:
+    """``param_slice_mappings``: each parameter in this partition, ``fragment_address(numel,
+    start)`` with start the offset inside the partition (read by ds_to_universal)."""
+    shard, _ = zero_partition(group, dp, rank)
+    out = OrderedDict()
+    for offset, region in shard.parts:
+        address = cls.__new__(cls)  # the source's opaque class: pickled back under its name
+        address.__setstate__({"numel": region.numel, "start": offset})
+        out[region.key] = address
+    return out

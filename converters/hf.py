@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 

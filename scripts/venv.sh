@@ -13,5 +13,10 @@ stamp="$VENV/.ckptool-installed${EXTRAS:+-$EXTRAS}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
   "$PY" -m pip install -q --disable-pip-version-check -e ".${EXTRAS:+[$EXTRAS]}"
+  if [ "$EXTRAS" = test ]; then
+    # DeepSpeed builds against the installed torch: no build isolation (which would fetch a
+    # CUDA torch), no compiled ops (DS_ACCELERATOR=cpu at run time).
+    DS_BUILD_OPS=0 "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation "deepspeed>=0.16"
+  fi
   touch "$stamp"
 fi

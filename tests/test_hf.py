@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.conftest import peer  # noqa: E402
+
+transformers = peer("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from tests.conftest import peer
 import torch
 
-pytest.importorskip("megatron.core")
+peer("megatron.core")
 
 from ckptool.checkpoint import open_checkpoint  # noqa: E402
 from ckptool.core.engine import TargetTensor, fill_tensor  # noqa: E402

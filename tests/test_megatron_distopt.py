@@ -14,9 +14,11 @@ import re
 import shutil
 
 import pytest
+
+from tests.conftest import peer
 import torch
 
-pytest.importorskip("megatron.core")
+peer("megatron.core")
 
 from converters import megatron_distopt as distopt  # noqa: E402
 from tests import distopt_harness as H  # noqa: E402

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from tests.conftest import peer
 import torch
 
-pytest.importorskip("megatron.core")
+peer("megatron.core")
 
 from tests import mcore_harness as H  # noqa: E402
 

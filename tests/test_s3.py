@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("s3fs")
-pytest.importorskip("moto")
 
-from tests.conftest import free_port, spawn_gloo  # noqa: E402
+from tests.conftest import free_port, peer, spawn_gloo  # noqa: E402
+
+peer("s3fs")
+peer("moto")
 
 BUCKET = "ckpts"
 

@@ -99,6 +99,14 @@ class OpaqueObject:
     def __setstate__(self, state):
         self._state = state
 
+    def __deepcopy__(self, memo):  # copy's default would feed our fields to __setstate__
+        import copy
+
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
     def __setitem__(self, key, value):  # dict subclasses
         self._items[key] = value
 
@@ -180,12 +188,29 @@ def _rebuild_tensor(storage, offset, size, stride, *rest):
     return TensorRef(storage, int(offset), tuple(size), tuple(stride))
 
 
+_PLAIN_TENSOR_TYPES = ("torch._tensor.Tensor", "torch.Tensor", "torch.nn.parameter.Parameter")
+
+
+def _rebuild_from_type(func, new_type, args, state):
+    """``torch._tensor._rebuild_from_type_v2``: a plain tensor or Parameter that carries Python
+    attributes (e.g. DeepSpeed's ``ds_id`` on ZeRO-3 partitions). It is read as the plain
+    tensor, without those attributes; any other type stays opaque."""
+    result = func(*args)
+    if isinstance(result, TensorRef) and isinstance(new_type, type) \
+            and issubclass(new_type, OpaqueObject) \
+            and f"{new_type._opaque_module}.{new_type._opaque_name}" in _PLAIN_TENSOR_TYPES:
+        return result
+    return _opaque_class("torch._tensor", "_rebuild_from_type_v2")(func, new_type, args, state)
+
+
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _SAFE:
             return _SAFE[(module, name)]
         if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor"):
             return _rebuild_tensor
+        if module == "torch._tensor" and name == "_rebuild_from_type_v2":
+            return _rebuild_from_type
         if module == "torch" and name in _STORAGE_DTYPES:
             return _STORAGE_DTYPES[name]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):

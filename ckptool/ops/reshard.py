@@ -147,6 +147,17 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
         return result
 
     group = _Group.from_env()
+    try:
+        return _write_output(opened, dst, fmt, group, writer, plan, index, spec, target_topo, result,
+                             options, weights_only, names, true_vocab_size, overwrite, workers,
+                             progress, started)
+    finally:
+        group.close()
+
+
+def _write_output(opened, dst, fmt, group, writer, plan, index, spec, target_topo, result, options,
+                  weights_only, names, true_vocab_size, overwrite, workers, progress, started):
+    """Write the planned files (this rank's share), then commit on rank 0."""
     key = _resume_key(opened, fmt, result, options, weights_only, names, true_vocab_size)
     out = group.on_rank0(lambda: atomic_output(dst, overwrite=overwrite, resume_key=key))
     store = Store.open(out.store.url) if group.rank else out.store
@@ -361,6 +372,15 @@ class _Group:
         if self.rank == 0:
             for records in out[1:]:
                 writer.absorb(records)
+
+    def close(self) -> None:
+        """Tear the process group down after the last collective (gloo aborts the process
+        at exit otherwise: "terminate called without an active exception")."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
     def commit_done(self, error: str | None = None):
         if self.world > 1:
