@@ -1,0 +1,144 @@
+"""Extracting fp32 weights from a DeepSpeed ZeRO checkpoint: ckptool vs DeepSpeed's zero_to_fp32.
+
+    python benchmarks/deepspeed_fp32.py [--size-gb 2.2] [--stage 2] [--dir DIR]
+
+Makes a real ZeRO checkpoint with DeepSpeed on CPU (DP=2, gloo, fp32, AdamW; a stack of
+Linear layers sized so the checkpoint is about --size-gb), then in the same run, each in its
+own process:
+
+* DeepSpeed: ``python -m deepspeed.utils.zero_to_fp32 CKPT OUT --safe_serialization``;
+* ckptool:   ``ckptool convert CKPT OUT --to dcp --drop-optimizer`` (the model's weights,
+  which in fp32 training are the fp32 masters, streamed region by region).
+
+It checks both hold the same tensors bit for bit and prints wall time and peak RSS with the
+ratios. Target: ckptool faster, with at most half the peak memory.
+
+(`--to hf` needs the model in a Hugging Face family's names; a plain DeepSpeed module is not,
+so the DCP output stands in for it here.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+MAKE = r'''
+import os, sys, contextlib, logging, warnings
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+warnings.filterwarnings("ignore")
+import torch, torch.nn as nn
+import torch.multiprocessing as mp
+
+def worker(rank, world, out, layers, width, stage, port):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import deepspeed, deepspeed.ops
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed("gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    cfg = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+           "zero_optimization": {"stage": stage}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    x = torch.randn(1, width)
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    engine.save_checkpoint(out)
+    deepspeed.comm.barrier()
+
+if __name__ == "__main__":
+    out, layers, width, stage, port = sys.argv[1], *map(int, sys.argv[2:6])
+    mp.spawn(worker, args=(2, out, layers, width, stage, port), nprocs=2, join=True)
+'''
+
+
+def run(cmd: list[str], env=None) -> tuple[float, float]:
+    """(wall seconds, peak RSS GB) of one child process."""
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}")
+    return wall, usage.ru_maxrss / 1e6
+
+
+def tensors_equal(hf_dir: Path, dcp_dir: Path) -> bool:
+    import torch
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(REPO))
+    from ckptool.checkpoint import open_checkpoint
+
+    ref = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        ref.update(load_file(f))
+    opened = open_checkpoint(str(dcp_dir))
+    for key, want in ref.items():
+        info = opened.index.tensors.get(key)
+        if info is None:
+            print(f"  missing in ckptool output: {key}")
+            return False
+        got = torch.empty(info.shape, dtype=info.dtype)
+        for p in info.pieces:
+            got[tuple(slice(o, o + n) for o, n in zip(p.region.offsets, p.region.lengths))] = \
+                opened.reader.read_piece(opened.store, p, info.dtype)
+        if not torch.equal(got, want):
+            print(f"  differs: {key}")
+            return False
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-gb", type=float, default=2.2)
+    ap.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args()
+    width = 2048
+    # checkpoint ~ 16 bytes/param (fp32 weights + fp32 master + 2 moments)
+    layers = max(2, round(args.size_gb * 1e9 / 16 / (width * width + width)))
+    base = Path(tempfile.mkdtemp(prefix="ckptool-dsfp32-bench-", dir=args.dir))
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    try:
+        t = time.perf_counter()
+        maker = base / "make_ds.py"  # a file: spawned workers must import it
+        maker.write_text(MAKE)
+        subprocess.run([sys.executable, str(maker), str(base / "ckpt"), str(layers), str(width),
+                        str(args.stage), "29573"], check=True, env=env, cwd=REPO)
+        size = sum(f.stat().st_size for f in (base / "ckpt").rglob("*") if f.is_file())
+        print(f"DeepSpeed ZeRO-{args.stage} checkpoint, DP=2, {layers} x Linear({width}): "
+              f"{size / 1e9:.2f} GB (made in {time.perf_counter() - t:.0f}s)")
+        subprocess.run(["cat", *map(str, (base / "ckpt").rglob("*.pt"))], stdout=subprocess.DEVNULL)
+        os.sync()
+        t_ds, rss_ds = run([sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(base / "ckpt"),
+                            str(base / "ds_out"), "--safe_serialization"], env=env)
+        os.sync()
+        ckptool = str(Path(sys.executable).parent / "ckptool")
+        t_ck, rss_ck = run([ckptool, "convert", str(base / "ckpt"), str(base / "ck_out"), "--to", "dcp",
+                            "--drop-optimizer", "-q"], env=env)
+        same = tensors_equal(base / "ds_out", base / "ck_out")
+        print(f"{'what':<44}{'seconds':>9}{'peak RSS GB':>13}")
+        print(f"{'zero_to_fp32 --safe_serialization':<44}{t_ds:>9.2f}{rss_ds:>13.2f}")
+        print(f"{'ckptool convert --to dcp --drop-optimizer':<44}{t_ck:>9.2f}{rss_ck:>13.2f}")
+        print(f"time ckptool / zero_to_fp32 = {t_ck / t_ds:.2f} (target < 1); "
+              f"peak RSS ckptool / zero_to_fp32 = {rss_ck / rss_ds:.2f} (target <= 0.5)")
+        print(f"same fp32 tensors bit for bit: {same}")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
