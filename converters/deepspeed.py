@@ -38,13 +38,13 @@ import torch
 from ckptool.core import VERSION, torchfile
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, TopologyError, UnreadableInput, UsageError
-from ckptool.core.index import (CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo,
-                                 Writer)
+from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, TensorInfo, Writer
 from ckptool.core.manifest import HashingWriter
-from ckptool.core.regions import Region, Shard, byte_runs
+from ckptool.core.regions import Region, Shard
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
-from ckptool.core.torchfile import Pending, TensorRef, TorchFile
+from ckptool.core.torchfile import Pending, TensorRef
+from ckptool.core.torchreader import TorchFileReader
 from converters.megatron_optimizer import state_key
 
 NAME = "deepspeed"
@@ -177,11 +177,8 @@ def _ranks(found: dict[int, str], dp: int, what: str, where: str) -> list[str]:
     return [found[r] for r in range(dp)]
 
 
-class DeepSpeedReader(Reader):
+class DeepSpeedReader(TorchFileReader):
     name = NAME
-
-    def __init__(self):
-        self._files: dict[str, TorchFile] = {}
 
     @classmethod
     def detect(cls, store: Store) -> bool:
@@ -194,18 +191,6 @@ class DeepSpeedReader(Reader):
             return bool(tag) and "/" not in tag and _has_model_states(store, tag) \
                 and not store.isdir(f"{tag}/zero")
         return False
-
-    def _load(self, store: Store, rel: str) -> TorchFile:
-        if rel not in self._files:
-            try:
-                read = store.range_reader(rel)
-            except UnreadableInput:
-                raise BadCheckpoint("file is missing", path=store.display(rel)) from None
-            archive = TorchFile(read, read.size, store.display(rel))
-            if not isinstance(archive.obj, dict):
-                raise BadCheckpoint("file does not hold a dict", path=store.display(rel))
-            self._files[rel] = archive
-        return self._files[rel]
 
     def read_index(self, store: Store) -> CheckpointIndex:
         tag = _tag(store)
@@ -377,20 +362,6 @@ class DeepSpeedReader(Reader):
                 for offset, region in shard.parts:
                     key = state_key(kind, region.key) if kind else region.key
                     _add(index, key, ref, replace(region, key=key), rel, path, offset)
-
-    def _ref(self, store: Store, piece: Piece) -> tuple[TorchFile, TensorRef, int]:
-        path, offset = piece.location.detail
-        archive = self._load(store, piece.location.file)
-        return archive, _resolve(archive.obj, path), offset
-
-    def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
-        archive, ref, offset = self._ref(store, piece)
-        return archive.read_elements(ref, offset, piece.region.numel).view(piece.region.local_shape)
-
-    def read_box(self, store: Store, piece: Piece, dtype: torch.dtype, box) -> torch.Tensor:
-        archive, ref, offset = self._ref(store, piece)
-        runs = [(offset + start, n) for start, n in byte_runs(piece.region, box)]
-        return archive.read_runs(ref, runs).view(box[1])
 
 
 def _add(index: CheckpointIndex, key: str, ref: TensorRef, region: Region, rel: str, path: tuple,

@@ -29,13 +29,13 @@ import torch
 from ckptool.core import VERSION
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
-from ckptool.core.index import (CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo,
-                                 Writer)
+from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, TensorInfo, Writer
 from ckptool.core.layout import ModelSpec, layout, stage_layers
 from ckptool.core.manifest import HashingWriter
 from ckptool.core import torchfile
-from ckptool.core.regions import Shard, byte_runs
-from ckptool.core.torchfile import Pending, TensorRef, TorchFile
+from ckptool.core.regions import Shard
+from ckptool.core.torchreader import TorchFileReader
+from ckptool.core.torchfile import Pending, TensorRef
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from converters import megatron_distopt as distopt
@@ -96,11 +96,8 @@ class _RankFile:
     rel: str
 
 
-class MegatronReader(Reader):
+class MegatronReader(TorchFileReader):
     name = NAME
-
-    def __init__(self):
-        self._files: dict[str, TorchFile] = {}
 
     @classmethod
     def detect(cls, store: Store) -> bool:
@@ -112,18 +109,8 @@ class MegatronReader(Reader):
         iters = [n for n, d in store.ls() if d and ITER_DIR.match(n)]
         return bool(iters) and _has_rank_dirs(store, sorted(iters)[-1])
 
-    def _load(self, store: Store, rel: str) -> TorchFile:
-        """The rank file's archive index; tensors stay on disk until a box is read."""
-        if rel not in self._files:
-            try:
-                read = store.range_reader(rel)
-            except UnreadableInput:
-                raise BadCheckpoint("rank file is missing", path=store.display(rel)) from None
-            archive = TorchFile(read, read.size, store.display(rel))
-            if not isinstance(archive.obj, dict) and not rel.endswith(DISTRIB_OPTIM):
-                raise BadCheckpoint("rank file does not hold a dict", path=store.display(rel))
-            self._files[rel] = archive
-        return self._files[rel]
+    def accepts_non_dict(self, rel: str) -> bool:
+        return rel.endswith(DISTRIB_OPTIM)  # the expert-parallel form is a list (refused later)
 
     def _rank_files(self, store: Store) -> list[_RankFile]:
         base = checkpoint_dir(store)
@@ -280,28 +267,8 @@ class MegatronReader(Reader):
         else:
             saved.value.keys.update(meta.keys)
 
-    def _ref(self, store: Store, piece: Piece) -> tuple[TorchFile, TensorRef, int]:
-        path, offset = piece.location.detail
-        archive = self._load(store, piece.location.file)
-        return archive, _resolve(archive.obj, path), offset
-
-    def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
-        archive, ref, offset = self._ref(store, piece)
-        return archive.read_elements(ref, offset, piece.region.numel).view(piece.region.local_shape)
-
-    def read_box(self, store: Store, piece: Piece, dtype: torch.dtype, box) -> torch.Tensor:
-        archive, ref, offset = self._ref(store, piece)
-        runs = [(offset + start, n) for start, n in byte_runs(piece.region, box)]
-        return archive.read_runs(ref, runs).view(box[1])
-
-    def read_box_into(self, store: Store, piece: Piece, dtype: torch.dtype, box, out) -> None:
-        if not out.is_contiguous():
-            return super().read_box_into(store, piece, dtype, box, out)
-        archive, ref, offset = self._ref(store, piece)
-        flat, pos = out.view(-1), 0
-        for start, n in byte_runs(piece.region, box):  # straight from the file into place
-            archive.read_into(ref, offset + start, flat[pos:pos + n])
-            pos += n
+    def resolve(self, obj: Any, path: tuple) -> Any:
+        return _resolve(obj, path)
 
 
 def _resolve(obj: Any, path: tuple) -> Any:

@@ -1,0 +1,72 @@
+"""Readers whose pieces are element ranges of tensors inside ``torch.save`` files.
+
+Megatron's rank files and DeepSpeed's model/optimizer states are such files. A piece's
+location is ``Location(file, detail=(path, element offset))``: ``path`` leads through the
+file's object tree to a stored tensor, and the piece's region starts at that element of
+it (a flat ZeRO or distributed-optimizer partition, or a whole tensor at offset 0). Files
+are opened once, by byte range (:class:`~ckptool.core.torchfile.TorchFile`), and only the
+bytes a box needs are read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ckptool.core.errors import BadCheckpoint, UnreadableInput
+from ckptool.core.index import Piece, Reader
+from ckptool.core.regions import byte_runs
+from ckptool.core.storage import Store
+from ckptool.core.torchfile import TensorRef, TorchFile
+
+
+class TorchFileReader(Reader):
+    def __init__(self):
+        self._files: dict[str, TorchFile] = {}
+
+    def _load(self, store: Store, rel: str) -> TorchFile:
+        """The file's archive index (cached); tensors stay on disk until a box is read."""
+        if rel not in self._files:
+            try:
+                read = store.range_reader(rel)
+            except UnreadableInput:
+                raise BadCheckpoint("file is missing", path=store.display(rel)) from None
+            archive = TorchFile(read, read.size, store.display(rel))
+            if not isinstance(archive.obj, dict) and not self.accepts_non_dict(rel):
+                raise BadCheckpoint("file does not hold a dict", path=store.display(rel))
+            self._files[rel] = archive
+        return self._files[rel]
+
+    def accepts_non_dict(self, rel: str) -> bool:
+        """Whether a file whose top object is not a dict is still one of this format's."""
+        return False
+
+    def resolve(self, obj: Any, path: tuple) -> Any:
+        """The object at ``path`` in a file's tree."""
+        for step in path:
+            obj = obj[step]
+        return obj
+
+    def _ref(self, store: Store, piece: Piece) -> tuple[TorchFile, TensorRef, int]:
+        path, offset = piece.location.detail
+        archive = self._load(store, piece.location.file)
+        return archive, self.resolve(archive.obj, path), offset
+
+    def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+        archive, ref, offset = self._ref(store, piece)
+        return archive.read_elements(ref, offset, piece.region.numel).view(piece.region.local_shape)
+
+    def read_box(self, store: Store, piece: Piece, dtype: torch.dtype, box) -> torch.Tensor:
+        archive, ref, offset = self._ref(store, piece)
+        runs = [(offset + start, n) for start, n in byte_runs(piece.region, box)]
+        return archive.read_runs(ref, runs).view(box[1])
+
+    def read_box_into(self, store: Store, piece: Piece, dtype: torch.dtype, box, out) -> None:
+        if not out.is_contiguous():
+            return super().read_box_into(store, piece, dtype, box, out)
+        archive, ref, offset = self._ref(store, piece)
+        flat, pos = out.view(-1), 0
+        for start, n in byte_runs(piece.region, box):  # straight from the file into place
+            archive.read_into(ref, offset + start, flat[pos:pos + n])
+            pos += n
