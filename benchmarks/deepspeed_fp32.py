@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import run  # noqa: E402
 
 MAKE = r'''
 import os, sys, contextlib, logging, warnings
@@ -64,22 +67,10 @@ if __name__ == "__main__":
 '''
 
 
-def run(cmd: list[str], env=None) -> tuple[float, float]:
-    """(wall seconds, peak RSS GB) of one child process."""
-    t = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}")
-    return wall, usage.ru_maxrss / 1e6
-
-
 def tensors_equal(hf_dir: Path, dcp_dir: Path) -> bool:
     import torch
     from safetensors.torch import load_file
 
-    sys.path.insert(0, str(REPO))
     from ckptool.checkpoint import open_checkpoint
 
     ref = {}
@@ -124,11 +115,11 @@ def main() -> None:
         subprocess.run(["cat", *map(str, (base / "ckpt").rglob("*.pt"))], stdout=subprocess.DEVNULL)
         os.sync()
         t_ds, rss_ds = run([sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(base / "ckpt"),
-                            str(base / "ds_out"), "--safe_serialization"], env=env)
+                            str(base / "ds_out"), "--safe_serialization"], env=env, quiet=True)
         os.sync()
         ckptool = str(Path(sys.executable).parent / "ckptool")
         t_ck, rss_ck = run([ckptool, "convert", str(base / "ckpt"), str(base / "ck_out"), "--to", "dcp",
-                            "--drop-optimizer", "-q"], env=env)
+                            "--drop-optimizer", "-q"], env=env, quiet=True)
         same = tensors_equal(base / "ds_out", base / "ck_out")
         print(f"{'what':<44}{'seconds':>9}{'peak RSS GB':>13}")
         print(f"{'zero_to_fp32 --safe_serialization':<44}{t_ds:>9.2f}{rss_ds:>13.2f}")

@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 from ckptool.core.layout import ModelSpec, global_params, layout, stage_layers  # noqa: E402
 from ckptool.core.topology import Topology  # noqa: E402
 from converters.megatron_common import SCHEMAS, update_args  # noqa: E402
+from benchmarks.common import run  # noqa: E402
 
 
 def model_for(size_gb: float) -> ModelSpec:
@@ -120,17 +121,6 @@ for rank in layout(spec, new):                                              # sp
     torch.save({"args": update_args(args, spec, new, spec.vocab_size), "iteration": 100,
                 "checkpoint_version": 3.0, "model": model}, d / "model_optim_rng.pt")
 '''
-
-
-def run(cmd: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS GB) of one child process."""
-    t = time.perf_counter()
-    proc = subprocess.Popen(cmd)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}")
-    return wall, usage.ru_maxrss / 1e6
 
 
 def same_tensors(a: Path, b: Path) -> bool:

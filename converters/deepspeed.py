@@ -35,16 +35,15 @@ from typing import Any
 
 import torch
 
-from ckptool.core import VERSION, torchfile
+from ckptool.core import VERSION
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, TopologyError, UnreadableInput, UsageError
 from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, TensorInfo, Writer
-from ckptool.core.manifest import HashingWriter
 from ckptool.core.regions import Region, Shard
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending, TensorRef
-from ckptool.core.torchreader import TorchFileReader
+from ckptool.core.torchreader import TorchFileReader, save_target
 from converters.megatron_optimizer import state_key
 
 NAME = "deepspeed"
@@ -506,13 +505,7 @@ class DeepSpeedWriter(Writer):
         pending = {t.name: Pending(t.name, t.shard.shape, t.dtype) for t in target.tensors}
         tree = _model_states(layout, ctx["topo"], ctx["rank"], pending) if ctx["kind"] == "model" \
             else _optim_states(layout, ctx["topo"], ctx["rank"], ctx["pads"], pending)
-        by_name = {t.name: t for t in target.tensors}
-        store.fs.makedirs(store.path(target.path.rsplit("/", 1)[0]), exist_ok=True)
-        with store.open_file(target.path, "wb") as raw:
-            out = HashingWriter(raw)
-            torchfile.save(tree, out, lambda p: produce(by_name[p.key]))
-            out.fsync()
-        return out.size, out.hexdigest()
+        return save_target(store, target, tree, produce)
 
     def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
         store.write_bytes(LATEST, index.objects[LAYOUT_KEY].value.tag.encode())

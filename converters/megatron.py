@@ -31,10 +31,8 @@ from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
 from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, TensorInfo, Writer
 from ckptool.core.layout import ModelSpec, layout, stage_layers
-from ckptool.core.manifest import HashingWriter
-from ckptool.core import torchfile
 from ckptool.core.regions import Shard
-from ckptool.core.torchreader import TorchFileReader
+from ckptool.core.torchreader import TorchFileReader, save_target
 from ckptool.core.torchfile import Pending, TensorRef
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
@@ -513,7 +511,7 @@ class MegatronWriter(UnevenStages, Writer):
                 name = (DISTOPT_PATH, i, key)
                 return Pending(name, shapes[name], torch.float32)
 
-            return _save(store, target, distopt.build(ctx["distopt"], ctx["keys"], vector), produce)
+            return save_target(store, target, distopt.build(ctx["distopt"], ctx["keys"], vector), produce)
         topo, spec, schema = ctx["topo"], ctx["spec"], ctx["schema"]
         pending = {t.name: t for t in target.tensors}
         chunks: dict[str, dict] = {}
@@ -553,7 +551,7 @@ class MegatronWriter(UnevenStages, Writer):
         if ctx["distopt_state"] is not None:
             state["optimizer"] = copy.deepcopy(ctx["distopt_state"])
         state[MARK] = {"version": VERSION}
-        return _save(store, target, state, produce)
+        return save_target(store, target, state, produce)
 
     def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
         it = index.iteration if index.iteration is not None else 0
@@ -561,16 +559,6 @@ class MegatronWriter(UnevenStages, Writer):
         return [TRACKER]
 
 
-def _save(store: Store, target: TargetFile, tree: Any, produce) -> tuple[int, str]:
-    """Stream ``tree`` to ``target.path`` as a torch.save archive; each Pending placeholder
-    in it (named by a target tensor) is produced as it is written."""
-    pending = {t.name: t for t in target.tensors}
-    store.fs.makedirs(store.path(target.path.rsplit("/", 1)[0]), exist_ok=True)
-    with store.open_file(target.path, "wb") as raw:
-        out = HashingWriter(raw)
-        torchfile.save(tree, out, lambda p: produce(pending[p.key]))
-        out.fsync()
-    return out.size, out.hexdigest()
 
 
 def _key(t) -> str:

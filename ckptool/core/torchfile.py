@@ -25,7 +25,6 @@ import math
 import pickle
 import struct
 import sys
-import uuid
 import zipfile
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable

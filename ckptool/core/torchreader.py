@@ -1,4 +1,5 @@
-"""Readers whose pieces are element ranges of tensors inside ``torch.save`` files.
+"""``torch.save`` files as checkpoint storage: readers whose pieces are element ranges of
+stored tensors, and the streaming writer of a target file (:func:`save_target`).
 
 Megatron's rank files and DeepSpeed's model/optimizer states are such files. A piece's
 location is ``Location(file, detail=(path, element offset))``: ``path`` leads through the
@@ -16,8 +17,10 @@ import torch
 
 from ckptool.core.errors import BadCheckpoint, UnreadableInput
 from ckptool.core.index import Piece, Reader
+from ckptool.core.manifest import HashingWriter
 from ckptool.core.regions import byte_runs
 from ckptool.core.storage import Store
+from ckptool.core import torchfile
 from ckptool.core.torchfile import TensorRef, TorchFile
 
 
@@ -70,3 +73,17 @@ class TorchFileReader(Reader):
         for start, n in byte_runs(piece.region, box):  # straight from the file into place
             archive.read_into(ref, offset + start, flat[pos:pos + n])
             pos += n
+
+
+def save_target(store: Store, target, tree: Any, produce) -> tuple[int, str]:
+    """Stream ``tree`` to ``target.path`` as a torch.save archive, hashing and fsyncing; each
+    ``Pending`` placeholder in it (named by a target tensor) is produced as it is written.
+    Returns (size, xxh3-128)."""
+    pending = {t.name: t for t in target.tensors}
+    if "/" in target.path:
+        store.fs.makedirs(store.path(target.path.rsplit("/", 1)[0]), exist_ok=True)
+    with store.open_file(target.path, "wb") as raw:
+        out = HashingWriter(raw)
+        torchfile.save(tree, out, lambda p: produce(pending[p.key]))
+        out.fsync()
+    return out.size, out.hexdigest()
