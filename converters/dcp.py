@@ -10,12 +10,11 @@ DCP keeps: such a checkpoint without ``ckptool.json`` was never committed.
 from __future__ import annotations
 
 import re
-import threading
 import uuid
 
 from ckptool.core.dcpfile import (METADATA, SAVE_ID_MARK, DcpContainerReader, read_location,
                                   read_metadata)
-from ckptool.core.dcpwrite import DcpFileWriter, FileRecord, write_metadata
+from ckptool.core.dcpwrite import DcpFileWriter, RecordedFiles, write_metadata
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.index import CheckpointIndex, Writer
 from ckptool.core.regions import Region, Shard
@@ -42,7 +41,7 @@ class DcpReader(DcpContainerReader):
         return index
 
 
-class DcpWriter(Writer):
+class DcpWriter(RecordedFiles, Writer):
     """Regroups a DCP checkpoint for a new world size W = TP x PP x DP: every tensor is cut
     along dim 0 into W row blocks (as ``torch.chunk``), block r goes to ``__r_0.distcp``,
     so each target rank reads one file. Non-tensor entries are copied byte for byte."""
@@ -50,9 +49,7 @@ class DcpWriter(Writer):
     name = NAME
 
     def __init__(self):
-        self._records: dict = {}
         self._shapes: dict[str, tuple] = {}
-        self._lock = threading.Lock()
         self._source = None
 
     def bind(self, opened) -> None:
@@ -87,19 +84,11 @@ class DcpWriter(Writer):
                 for key, obj in index.objects.items():
                     if obj.location is not None:
                         w.add_bytes(key, read_location(self._source.store, obj.location))
-        with self._lock:
-            self._records[target.path] = w.record()
+        self._remember(target.path, w)
         return w.digest
 
-    def records(self) -> dict:
-        return dict(self._records)
-
-    def absorb(self, records: dict) -> None:
-        self._records.update({path: FileRecord.from_json(r) if isinstance(r, dict) else r
-                              for path, r in records.items()})
-
     def finalize(self, store: Store, index) -> list[str]:
-        write_metadata(store, self._shapes, list(self._records.values()))
+        write_metadata(store, self._shapes, self.recorded())
         return [METADATA]
 
 

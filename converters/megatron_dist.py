@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import threading
 from dataclasses import asdict, replace
 
 import torch
 
 from ckptool.core.dcpfile import METADATA, DcpContainerReader
-from ckptool.core.dcpwrite import DcpFileWriter, FileRecord, write_metadata
+from ckptool.core.dcpwrite import DcpFileWriter, RecordedFiles, write_metadata
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.layout import VOCAB, ModelSpec, layout
 from ckptool.core.regions import Shard
@@ -171,7 +170,7 @@ def _split_layers(index: CheckpointIndex, key: str, info: TensorInfo, pieces: li
 # ----------------------------------------------------------------------------- writing
 
 
-class MegatronDistWriter(UnevenStages, Writer):
+class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
     """Writes a Megatron-Core ``torch_dist`` run root: tracker + ``iter_*/`` with
     ``metadata.json``, ``common.pt`` and a DCP container whose per-layer tensors are stacked.
 
@@ -183,8 +182,6 @@ class MegatronDistWriter(UnevenStages, Writer):
 
     def __init__(self):
         self._target = None
-        self._records: dict = {}
-        self._lock = threading.Lock()
         self._shapes: dict[str, tuple] = {}
 
     def notes(self, index) -> list[str]:
@@ -236,21 +233,13 @@ class MegatronDistWriter(UnevenStages, Writer):
                         # mcore stores each ShardedObject as the list of its local values
                         w.add_object(f"{STACKED}{module}._extra_state/shard_{g}_{spec.num_layers}",
                                      [None])
-        with self._lock:
-            self._records[target.path] = w.record()
+        self._remember(target.path, w)
         return w.digest
 
-    def records(self) -> dict:
-        return dict(self._records)
-
-    def absorb(self, records: dict) -> None:
-        self._records.update({path: FileRecord.from_json(r) if isinstance(r, dict) else r
-                              for path, r in records.items()})
-
     def finalize(self, store: Store, index) -> list[str]:
-        it_dir = next(iter(self._records)).rsplit("/", 1)[0]
+        it_dir = next(iter(self.records())).rsplit("/", 1)[0]
         sub = store.child(it_dir)
-        write_metadata(sub, self._shapes, list(self._records.values()))
+        write_metadata(sub, self._shapes, self.recorded())
         sub.write_bytes(METADATA_JSON, json.dumps({
             "sharded_backend": "torch_dist", "sharded_backend_version": 1,
             "common_backend": "torch", "common_backend_version": 1}).encode())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import sys
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,26 @@ class FileRecord:
         return cls(data["path"], [ChunkRecord(k, tuple(o), tuple(n), f, off, ln)
                                   for k, o, n, f, off, ln in data["chunks"]],
                    [tuple(o) for o in data["objects"]])
+
+
+class RecordedFiles:
+    """For writers of DCP containers: the ``FileRecord`` of every file written, by target
+    path, gathered across torchrun ranks and kept in resume journals (``Writer.records`` /
+    ``absorb``), so ``.metadata`` is written once, from all of them."""
+
+    def _remember(self, path: str, writer: DcpFileWriter) -> None:
+        with self.__dict__.setdefault("_records_lock", threading.Lock()):
+            self.__dict__.setdefault("_records", {})[path] = writer.record()
+
+    def records(self) -> dict:
+        return dict(self.__dict__.get("_records", {}))
+
+    def absorb(self, records: dict) -> None:
+        self.__dict__.setdefault("_records", {}).update(
+            {path: FileRecord.from_json(r) if isinstance(r, dict) else r for path, r in records.items()})
+
+    def recorded(self) -> list["FileRecord"]:
+        return list(self.__dict__.get("_records", {}).values())
 
 
 def write_metadata(store: Store, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
