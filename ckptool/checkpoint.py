@@ -89,6 +89,15 @@ class Opened:
     manifest: Manifest | None
     index: CheckpointIndex
 
+    def canonical(self) -> "Opened":
+        """This checkpoint under canonical tensor names (itself when it has them already)."""
+        from ckptool.core.view import ViewReader
+
+        view = self.reader.canonical(self.store, self.index)
+        if view is None:
+            return self
+        return Opened(self.store, self.format, ViewReader(self.reader), self.manifest, view)
+
 
 def merge_manifest(index: CheckpointIndex, manifest: Manifest | None) -> CheckpointIndex:
     """Fill what the format itself does not record from the manifest."""

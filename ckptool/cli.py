@@ -319,11 +319,15 @@ class FormatType(click.ParamType):
                    "spec, or pre-mcore (Megatron-DeepSpeed). Default: the source's, else mcore-local.")
 @click.option("--model-family", type=click.Choice(["llama", "gpt", "gpt2"]),
               help="Hugging Face model family, when config.json or the model does not say.")
+@click.option("--model-config", type=click.Path(dir_okay=False), metavar="CONFIG.json",
+              help="The model's Hugging Face config.json, when SRC does not carry one "
+                   "(DeepSpeed checkpoints of HF models look for it beside `latest`).")
 @click.option("--max-shard-size", type=ByteSize(), help="hf: largest safetensors file, e.g. 5GB, 500MB.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
               help="hf: dtype of the written weights (default: the source's).")
 @_rewrite_options
-def convert(src, dst, to_format, tp, pp, dp, zero, megatron_names, model_family, max_shard_size, dtype,
+def convert(src, dst, to_format, tp, pp, dp, zero, megatron_names, model_family, model_config,
+            max_shard_size, dtype,
             true_vocab_size, workers, first_stage_layers, last_stage_layers, dry_run, overwrite,
             drop_optimizer, as_json, quiet):
     """Write the checkpoint SRC at DST in another format, optionally at another TP/PP.
@@ -341,6 +345,7 @@ def convert(src, dst, to_format, tp, pp, dp, zero, megatron_names, model_family,
               dry_run=dry_run, overwrite=overwrite, true_vocab_size=true_vocab_size,
               drop_optimizer=drop_optimizer, names=megatron_names,
               model_family="gpt2" if model_family == "gpt" else model_family,
+              model_config=model_config,
               options={"max_shard_size": max_shard_size, "dtype": dtype,
                        "first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers})
     _render_rewrite(out, res, "converted")

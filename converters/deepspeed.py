@@ -27,6 +27,7 @@ hands unknown entries back as client state); without ``ckptool.json`` it is not 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 from collections import OrderedDict
@@ -178,6 +179,42 @@ def _ranks(found: dict[int, str], dp: int, what: str, where: str) -> list[str]:
 
 class DeepSpeedReader(TorchFileReader):
     name = NAME
+    model_family: str | None = None
+    model_config: str | None = None
+    """``--model-config``: a Hugging Face config.json for a module that is an HF model."""
+
+    def configure(self, *, model_family: str | None = None, model_config: str | None = None,
+                  **unknown) -> None:
+        super().configure(**unknown)
+        self.model_family, self.model_config = model_family, model_config
+
+    def canonical(self, store: Store, index: CheckpointIndex) -> CheckpointIndex | None:
+        """A module that is a Hugging Face model (HF Trainer, accelerate) under canonical
+        names, its optimizer state with it; its config is ``--model-config`` or the
+        ``config.json`` beside ``latest`` (the HF Trainer's ``checkpoint-N/`` layout)."""
+        from converters.hf import CONFIG, named_view
+
+        if self.model_config:
+            where = self.model_config
+            try:
+                with open(where, "rb") as f:
+                    raw = f.read()
+            except OSError as exc:
+                raise UnreadableInput(f"cannot read the model config ({exc.strerror})",
+                                      path=where) from None
+        elif store.exists(CONFIG):
+            where, raw = store.display(CONFIG), store.read_bytes(CONFIG)
+        else:
+            return None
+        try:
+            config = json.loads(raw)
+        except ValueError:
+            raise UnreadableInput("the model config is not valid JSON", path=where) from None
+        if not isinstance(config, dict):
+            raise UnreadableInput("the model config is not a JSON object", path=where)
+        kinds = ("fp32_param", *MOMENTS)
+        return named_view(index, config, self.model_family, where,
+                          ("", *(state_key(kind, "") for kind in kinds)))
 
     @classmethod
     def detect(cls, store: Store) -> bool:

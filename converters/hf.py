@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 
 import torch
 
@@ -37,6 +37,9 @@ from ckptool.core.regions import Region, Shard
 from ckptool.core.stfile import NAMES as ST_DTYPES
 from ckptool.core.stfile import parse_header
 from ckptool.core.storage import Store
+from ckptool.core.view import Entry as HfTensor
+from ckptool.core.view import remap, stored_box
+from converters.megatron_optimizer import state_key
 from ckptool.core.topology import Topology
 
 NAME = "hf"
@@ -53,27 +56,6 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 
 
 # --------------------------------------------------------------------------- the tables
-
-
-@dataclass(frozen=True, slots=True)
-class HfTensor:
-    """One HF tensor: its name, and the canonical regions it holds in its row order.
-
-    ``shape`` is the row-order (Linear, ``[out, in]``) shape; with ``transposed`` the file
-    stores its transpose (GPT-2 ``Conv1D``)."""
-
-    name: str
-    shape: tuple[int, ...]
-    parts: tuple[tuple[int, Region], ...]
-    transposed: bool = False
-
-    @property
-    def stored_shape(self) -> tuple[int, ...]:
-        return tuple(reversed(self.shape)) if self.transposed else self.shape
-
-    @property
-    def shard(self) -> Shard:
-        return Shard(self.shape, self.parts)
 
 
 def _rows(key: str, shape: tuple[int, ...], blocks: list[tuple[int, int]]) -> tuple:
@@ -241,6 +223,52 @@ def config_for(spec: ModelSpec, family: str, vocab: int, dtype: torch.dtype, bas
     return config
 
 
+def family_of_config(config: dict, given: str | None, where: str) -> str:
+    """The family a ``config.json`` describes (``given`` wins), or a UsageError naming what
+    the config says."""
+    family = given or _MODEL_TYPES.get(str(config.get("model_type"))) or \
+        next((_ARCHITECTURES[a] for a in config.get("architectures") or () if a in _ARCHITECTURES), None)
+    if family is None:
+        raise UsageError(
+            f"cannot tell the model family: model_type={config.get('model_type')!r}, "
+            f"architectures={config.get('architectures')}", path=where,
+            hint=f"Pass --model-family ({', '.join(FAMILIES)}) if the schema is one of these")
+    return family
+
+
+def named_view(index: CheckpointIndex, config: dict, family: str | None, where: str,
+               prefixes: tuple[str, ...] = ("",)) -> CheckpointIndex:
+    """The canonical view of a checkpoint whose tensors carry a Hugging Face model's names
+    (a DeepSpeed engine's module is often one), by the same table the hf reader uses.
+
+    Every tensor must find its place: a model tensor the table lacks, or a table entry the
+    checkpoint lacks, is a UsageError that lists what was found. A common prefix of the
+    stored names (a wrapper's ``module.``) is allowed."""
+    family = family_of_config(config, family, where)
+    spec = spec_from_config(config, family)
+    entries = hf_tensors(spec, family, spec.vocab_size)
+    first = entries[0].name
+    model = [k for k in index.tensors if not any(p and k.startswith(p) for p in prefixes)]
+    prefix = min((k[:-len(first)] for k in model if k.endswith(first)), key=len, default="")
+    if prefix:
+        entries = [replace(e, name=prefix + e.name) for e in entries]
+    view = remap(index, entries, prefixes)
+    stray = [k for k in view.unused if k in model]
+    if view.missing:
+        found = ", ".join(sorted(index.tensors)[:3]) or "nothing"
+        raise UsageError(f"the tensors are not a {family} model's ({len(view.missing)} of its "
+                         f"tensors are missing, e.g. {view.missing[0]}; found e.g. {found})",
+                         path=where, hint="Check --model-config / --model-family")
+    if stray:
+        raise UsageError(f"{len(stray)} tensors have no place in a {family} model, e.g. "
+                         f"{', '.join(stray[:3])}", path=where,
+                         hint="Only Hugging Face llama and gpt2 models are mapped")
+    out = view.index
+    out.model_config, out.true_vocab_size = asdict(spec), spec.vocab_size
+    out.objects[CONFIG_KEY] = ObjectInfo(CONFIG_KEY, value=config)
+    return out
+
+
 # --------------------------------------------------------------------------- reading
 
 
@@ -266,41 +294,25 @@ class HfReader(Reader):
             config = json.loads(store.read_bytes(CONFIG))
         except ValueError:
             raise UnreadableInput("config.json is not valid JSON", path=store.display(CONFIG)) from None
-        family = self.model_family or _MODEL_TYPES.get(str(config.get("model_type"))) or \
-            next((_ARCHITECTURES[a] for a in config.get("architectures") or () if a in _ARCHITECTURES), None)
-        if family is None:
-            raise UsageError(
-                f"cannot tell the model family: model_type={config.get('model_type')!r}, "
-                f"architectures={config.get('architectures')}", path=store.display(CONFIG),
-                hint=f"Pass --model-family ({', '.join(FAMILIES)}) if the schema is one of these")
+        family = family_of_config(config, self.model_family, store.display(CONFIG))
         spec = spec_from_config(config, family)
         weight_map = self._weight_map(store)
-        index = CheckpointIndex(format=NAME, url=store.url, topology=Topology(),
-                                model_config=asdict(spec), true_vocab_size=spec.vocab_size,
-                                iteration=None)
-        index.files = {f: 1 for f in sorted(set(weight_map.values()))}
-        index.files[CONFIG] = 1
-        tensors = hf_tensors(spec, family, spec.vocab_size)
-        missing = [t.name for t in tensors if t.name not in weight_map]
-        if missing:
-            raise BadCheckpoint(f"{len(missing)} tensors of a {family} model are missing, e.g. "
-                                f"{', '.join(missing[:3])}", path=store.url)
-        for t in tensors:
-            file = weight_map[t.name]
-            entry = self._entries(store, file).get(t.name)
+        stored = CheckpointIndex(format=NAME, url=store.url, topology=Topology(),
+                                 model_config=asdict(spec), true_vocab_size=spec.vocab_size,
+                                 iteration=None)
+        stored.files = {f: 1 for f in sorted(set(weight_map.values()))}
+        stored.files[CONFIG] = 1
+        for name, file in weight_map.items():
+            entry = self._entries(store, file).get(name)
             if entry is None:
-                raise BadCheckpoint(f"{t.name} is not in {file}", path=store.display(file))
-            if entry.shape != t.stored_shape:
-                raise BadCheckpoint(f"{t.name} has shape {list(entry.shape)}, config.json implies "
-                                    f"{list(t.stored_shape)}", path=store.display(file), key=t.name)
-            row = math.prod(t.shape[1:])
-            for offset, region in t.parts:
-                info = index.tensors.get(region.key)
-                if info is None:
-                    info = index.tensors[region.key] = TensorInfo(region.key, region.global_shape,
-                                                                  entry.dtype)
-                info.pieces.append(Piece(region, Location(file, detail=(t.name, offset // row,
-                                                                        t.transposed))))
+                raise BadCheckpoint(f"{name} is not in {file}", path=store.display(file))
+            stored.tensors[name] = TensorInfo(name, tuple(entry.shape), entry.dtype, [
+                Piece(Region.whole(name, tuple(entry.shape)), Location(file, detail=name))])
+        view = remap(stored, hf_tensors(spec, family, spec.vocab_size))
+        if view.missing:
+            raise BadCheckpoint(f"{len(view.missing)} tensors of a {family} model are missing, e.g. "
+                                f"{', '.join(view.missing[:3])}", path=store.url)
+        index = view.index
         index.objects[CONFIG_KEY] = ObjectInfo(CONFIG_KEY, value=config)
         return index
 
@@ -329,23 +341,14 @@ class HfReader(Reader):
         return self._file(store, file)[1]
 
     def read_box_into(self, store: Store, piece: Piece, dtype: torch.dtype, box, out) -> None:
-        """Read global ``box`` of the piece: the rows it spans, as one byte range."""
-        name, first_row, transposed = piece.location.detail
+        """Read canonical ``box`` of the piece: the stored rows it spans, as one byte range."""
+        piece, (offsets, lengths), out = stored_box(piece, box, out)
+        name = piece.location.detail
         reader, entries = self._file(store, piece.location.file)
         entry = entries[name]
-        offsets, lengths = box
-        r0 = first_row + offsets[0] - piece.region.offsets[0]
-        if len(lengths) == 1:
-            data = _read(reader, entry, r0, lengths[0], 1)
-        elif not transposed:
-            row = math.prod(entry.shape[1:])
-            data = _read(reader, entry, r0, lengths[0], row).view(lengths[0], *entry.shape[1:])
-            data = data[(slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:])))]
-        else:  # stored [in, out]: the box's columns are stored rows
-            rows = entry.shape[1]
-            data = _read(reader, entry, offsets[1], lengths[1], rows).view(lengths[1], rows)
-            data = data[:, r0:r0 + lengths[0]].t()
-        out.copy_(data)
+        row = math.prod(entry.shape[1:])
+        data = _read(reader, entry, offsets[0], lengths[0], row).view(lengths[0], *entry.shape[1:])
+        out.copy_(data[(slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:])))])
 
     def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(piece.region.local_shape, dtype=dtype)
@@ -398,8 +401,8 @@ class HfWriter(Writer):
                     true_vocab_size: int | None) -> ModelSpec:
         if index.model_config is None:
             raise UsageError("the source does not say what model it holds", path=index.url,
-                             hint="Hugging Face output needs the model's config (Megatron args, "
-                                  "or a ckptool manifest)")
+                             hint="Pass --model-config CONFIG.json (the model's Hugging Face "
+                                  "config) if it is an HF model")
         spec = ModelSpec(**index.model_config)
         vocab = true_vocab_size or index.true_vocab_size or spec.global_vocab_rows
         if vocab > spec.global_vocab_rows:
@@ -427,6 +430,7 @@ class HfWriter(Writer):
         self._family, self._spec = family, spec
         tensors = hf_tensors(spec, family, self._vocab)
         self._dtype = self.dtype or _common_dtype(index, tensors)
+        shards = {t.name: _weights(index, t.shard) for t in tensors}
         groups: list[list[HfTensor]] = [[]]
         size = 0
         for t in tensors:
@@ -442,8 +446,8 @@ class HfWriter(Writer):
         files = []
         for name, group in zip(names, groups):
             files.append(TargetFile(name, [
-                TargetTensor(t, t.shard, index.tensors[t.parts[0][1].key].dtype
-                             if t.parts[0][1].key in index.tensors else self._dtype)
+                TargetTensor(t, shards[t.name], index.tensors[shards[t.name].regions[0].key].dtype
+                             if shards[t.name].regions[0].key in index.tensors else self._dtype)
                 for t in group]))
         return files
 
@@ -481,6 +485,16 @@ class HfWriter(Writer):
         return written
 
 
+def _weights(index: CheckpointIndex, shard: Shard) -> Shard:
+    """Where the weights come from: the fp32 master copies when the source has them (a
+    mixed-precision optimizer's, as DeepSpeed's zero_to_fp32 takes them), else the model's.
+    The model's low-precision weights are the masters rounded, so any --dtype is as exact."""
+    masters = [replace(r, key=state_key("fp32_param", r.key)) for r in shard.regions]
+    if not all(r.key in index.tensors for r in masters):
+        return shard
+    return Shard(shard.shape, tuple((offset, m) for (offset, _), m in zip(shard.parts, masters)))
+
+
 def _common_dtype(index: CheckpointIndex, tensors: list[HfTensor]) -> torch.dtype:
     dtypes = {index.tensors[r.key].dtype for t in tensors for _, r in t.parts if r.key in index.tensors}
     if len(dtypes) == 1:
@@ -491,4 +505,5 @@ def _common_dtype(index: CheckpointIndex, tensors: list[HfTensor]) -> torch.dtyp
                      hint="Pick one with --dtype bf16|fp16|fp32")
 
 
-__all__ = ["HfReader", "HfWriter", "hf_tensors", "family_of", "spec_from_config", "config_for"]
+__all__ = ["HfReader", "HfWriter", "hf_tensors", "family_of", "family_of_config", "named_view",
+           "spec_from_config", "config_for"]

@@ -315,7 +315,8 @@ class UnevenStages:
                     true_vocab_size: int | None) -> ModelSpec:
         if index.model_config is None:
             raise UsageError("the source does not say what model it holds", path=index.url,
-                             hint="Megatron output needs the model's args")
+                             hint="Pass --model-config CONFIG.json (the model's Hugging Face "
+                                  "config) if it is an HF model")
         return target_spec(index, source, target, true_vocab_size, self.first_stage_layers,
                            self.last_stage_layers)
 

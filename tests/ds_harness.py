@@ -199,3 +199,65 @@ def save(root: Path, stages=(1, 2, 3), dp: int = 2, precision: str = "fp32") -> 
 def load(dp: int, jobs: list[tuple[int, Path, Path]], precision: str = "fp32") -> None:
     """For each ``(stage, checkpoint, result)``: load at ``dp``, step, save the result."""
     _spawn(_load_worker, dp, [(s, str(c), str(r)) for s, c, r in jobs], precision)
+
+
+# ------------------------------------------------- Hugging Face models trained by DeepSpeed
+
+HF_CONFIGS = {
+    # GQA, untied, a vocabulary that is not a multiple of 128
+    "llama": dict(model_type="llama", vocab_size=203, hidden_size=32, intermediate_size=48,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=SEQ, tie_word_embeddings=False, rms_norm_eps=1e-5),
+    # tied lm_head, Conv1D weights, learned positions
+    "gpt2": dict(model_type="gpt2", vocab_size=211, n_embd=32, n_layer=2, n_head=4,
+                 n_positions=SEQ, n_inner=64),
+}
+
+
+def hf_model(family: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(HF_CONFIGS[family])
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+
+
+def hf_tokens(vocab: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g)
+
+
+def _hf_save_worker(rank: int, dp: int, root: str, jobs: list[tuple[str, int]], port: int) -> None:
+    """An HF model trained by DeepSpeed per ``(family, stage)``, saved as the HF Trainer lays
+    it out (``config.json`` beside ``latest``), with the module's logits on a fixed batch."""
+    import deepspeed
+
+    _init(rank, dp, port)
+    for family, stage in jobs:
+        model = hf_model(family)
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.01},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
+                                            config=config(stage, dp))
+        vocab = model.config.vocab_size
+        share = GLOBAL_BATCH // dp
+        for s in range(STEPS):
+            tok = hf_tokens(vocab, s)[rank * share:(rank + 1) * share]
+            eng.backward(eng(input_ids=tok, labels=tok).loss)
+            eng.step()
+        out = f"{root}/{family}_z{stage}"
+        eng.save_checkpoint(out)
+        eng.eval()
+        with torch.no_grad():
+            logits = eng(input_ids=hf_tokens(vocab, NEXT_STEP)).logits
+        if rank == 0:
+            model.config.save_pretrained(out)
+            torch.save(logits, f"{out}.logits.pt")
+
+
+def save_hf(root: Path, jobs: list[tuple[str, int]], dp: int = 2) -> None:
+    """``root/{family}_z{stage}`` per job: HF-Trainer-style DeepSpeed run roots, and beside
+    each ``.logits.pt`` (the trained module's logits on ``hf_tokens(vocab, NEXT_STEP)``)."""
+    _spawn(_hf_save_worker, dp, str(root), list(jobs))

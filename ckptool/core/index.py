@@ -106,6 +106,13 @@ class Reader:
     def read_index(self, store: Store) -> CheckpointIndex:
         raise NotImplementedError
 
+    def canonical(self, store: Store, index: CheckpointIndex) -> CheckpointIndex | None:
+        """The index under canonical (Megatron-Core) names, for writing another format, when
+        ``read_index`` gives the format's own names (a DeepSpeed module's); None when the
+        names are canonical already or nothing says how to map them. Its pieces are read
+        through :class:`ckptool.core.view.ViewReader`."""
+        return None
+
     def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
         """The piece's local tensor, of shape ``piece.region.local_shape``."""
         raise NotImplementedError

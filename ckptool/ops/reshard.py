@@ -22,6 +22,7 @@ from ckptool.core.errors import CkptoolError, UsageError, UnsupportedFormat
 from ckptool.core.layout import check as check_layout
 from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifest
 from ckptool.core.storage import Store, atomic_output
+from converters.megatron_optimizer import state_key
 
 RESHARDABLE = ("megatron", "megatron-dist", "dcp", "deepspeed")
 OPTIMIZER_PREFIX = "optimizer."
@@ -78,16 +79,17 @@ def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers
 def convert(src: str, dst: str, *, to_format: str, to: dict | None = None, workers: int = 1,
             dry_run: bool = False, overwrite: bool = False, true_vocab_size: int | None = None,
             drop_optimizer: bool = False, names: str | None = None, model_family: str | None = None,
-            options: dict | None = None,
+            model_config: str | None = None, options: dict | None = None,
             progress: Callable[[int], object] | None = None) -> ReshardResult:
     """Write checkpoint ``src`` at ``dst`` in format ``to_format`` (topology per ``to``).
 
     ``names`` picks the target's tensor-name schema where the format has several (Megatron:
     ``mcore-local``, ``mcore-te``, ``legacy``); by default the source's, else the format's default.
     ``model_family`` names the Hugging Face family (``llama``, ``gpt2``) where it cannot be
-    inferred; ``options`` are the target format's own (hf: ``max_shard_size``, ``dtype``).
+    inferred; ``model_config`` is a Hugging Face ``config.json`` for a source that does not say
+    what model it holds (a DeepSpeed checkpoint without one beside ``latest``); ``options`` are the target format's own (hf: ``max_shard_size``, ``dtype``).
     """
-    opened = open_checkpoint(src, model_family=model_family)
+    opened = open_checkpoint(src, model_family=model_family, model_config=model_config)
     options = {k: v for k, v in (options or {}).items() if v is not None}
     if model_family and to_format == "hf":
         options["model_family"] = model_family
@@ -105,6 +107,8 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
     """The one path for reshard and convert: plan the target files, fill them region by
     region from the source, commit atomically."""
     started = time.perf_counter()
+    if fmt != opened.format:
+        opened = opened.canonical()
     index = opened.index
     source_topo = index.topology
     if source_topo is None:
@@ -406,6 +410,7 @@ def _refuse_unwritten(index, plan, fmt: str, drop_optimizer: bool) -> None:
     """Never drop source tensors silently: each must land in some target file, unless it is
     optimizer state and the user asked to drop it."""
     used = {r.key for f in plan for t in f.tensors for r in t.shard.regions}
+    used |= {k for k in index.tensors if state_key("fp32_param", k) in used}  # masters stood in
     left = sorted(k for k in index.tensors if k not in used
                   and not (drop_optimizer and k.startswith(OPTIMIZER_PREFIX)))
     if not left:

@@ -1,0 +1,103 @@
+"""Hugging Face models trained by DeepSpeed (what the HF Trainer and accelerate save):
+``ckptool convert --to hf`` gives a model that transformers loads with no missing or
+unexpected keys and the same logits, its weights bit-equal to DeepSpeed's own
+``get_fp32_state_dict_from_zero_checkpoint``; the same checkpoint converts to Megatron.
+
+The module's names are the HF model's, so ckptool reads them through the hf schema
+(``converters.hf.named_view``), with ``config.json`` beside ``latest`` as the HF Trainer
+lays it out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.conftest import peer
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+peer("deepspeed")
+peer("transformers")
+
+from tests import ds_harness as H  # noqa: E402
+
+FAMILIES = ("llama", "gpt2")
+STAGES = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds_hf")
+    H.save_hf(root, [(f, s) for f in FAMILIES for s in STAGES])
+    return root
+
+
+def _load_hf(path):
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
+                                                       attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("stage", STAGES)
+def test_deepspeed_to_hf_loads_with_the_same_logits(runs, run_cli, tmp_path, family, stage):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    src, out = runs / f"{family}_z{stage}", tmp_path / "hf"
+    res = run_cli("convert", src, out, "--to", "hf", "--dtype", "fp32")
+    assert res.code == 0, res.err
+    model = _load_hf(out)
+    vocab = H.HF_CONFIGS[family]["vocab_size"]
+    with torch.no_grad():
+        logits = model(input_ids=H.hf_tokens(vocab, H.NEXT_STEP)).logits
+    assert (logits - torch.load(f"{src}.logits.pt")).abs().max() < 1e-5
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(src))
+    ours = model.state_dict()
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
+
+
+def test_deepspeed_to_megatron_and_back_is_exact(runs, run_cli, tmp_path):
+    """The same canonical view feeds every writer: a DeepSpeed-trained Llama becomes a
+    Megatron TP2 checkpoint whose weights, converted on to HF, equal the direct conversion's
+    bit for bit. (Its ZeRO optimizer state is refused by the Megatron writer: DeepSpeed's
+    param groups are not Megatron's.)"""
+    src = runs / "llama_z2"
+    refused = run_cli("convert", src, tmp_path / "m0", "--to", "megatron", "--tp", "2")
+    assert refused.code == 2 and "--drop-optimizer" in refused.err
+    assert not (tmp_path / "m0").exists()
+    assert run_cli("convert", src, tmp_path / "hf", "--to", "hf", "--dtype", "fp32").code == 0
+    res = run_cli("convert", src, tmp_path / "meg", "--to", "megatron", "--tp", "2",
+                  "--drop-optimizer")
+    assert res.code == 0, res.err
+    back = run_cli("convert", tmp_path / "meg", tmp_path / "hf2", "--to", "hf")
+    assert back.code == 0, back.err
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf2" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k].float()) for k in a)
+
+
+def test_without_a_config_the_error_says_what_to_pass(runs, run_cli, tmp_path):
+    import shutil
+
+    src = tmp_path / "noconfig"
+    shutil.copytree(runs / "llama_z1", src)
+    (src / "config.json").unlink()
+    res = run_cli("convert", src, tmp_path / "hf", "--to", "hf")
+    assert res.code == 2 and "--model-config" in res.err and "Traceback" not in res.err
+    assert not (tmp_path / "hf").exists()
+    cfg = tmp_path / "config.json"
+    cfg.write_text((runs / "llama_z1" / "config.json").read_text())
+    assert run_cli("convert", src, tmp_path / "hf", "--to", "hf", "--model-config", cfg).code == 0
+    wrong = tmp_path / "gpt2.json"
+    wrong.write_text((runs / "gpt2_z1" / "config.json").read_text())
+    res = run_cli("convert", src, tmp_path / "hf3", "--to", "hf", "--model-config", wrong)
+    assert res.code == 2 and "not a gpt2 model's" in res.err, res.err
