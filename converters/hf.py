@@ -39,7 +39,7 @@ from ckptool.core.stfile import parse_header
 from ckptool.core.storage import Store
 from ckptool.core.view import Entry as HfTensor
 from ckptool.core.view import remap, stored_box
-from converters.megatron_optimizer import state_key
+from converters.megatron_optimizer import state_shard
 from ckptool.core.topology import Topology
 
 NAME = "hf"
@@ -489,10 +489,8 @@ def _weights(index: CheckpointIndex, shard: Shard) -> Shard:
     """Where the weights come from: the fp32 master copies when the source has them (a
     mixed-precision optimizer's, as DeepSpeed's zero_to_fp32 takes them), else the model's.
     The model's low-precision weights are the masters rounded, so any --dtype is as exact."""
-    masters = [replace(r, key=state_key("fp32_param", r.key)) for r in shard.regions]
-    if not all(r.key in index.tensors for r in masters):
-        return shard
-    return Shard(shard.shape, tuple((offset, m) for (offset, _), m in zip(shard.parts, masters)))
+    masters = state_shard("fp32_param", shard)
+    return masters if all(r.key in index.tensors for r in masters.regions) else shard
 
 
 def _common_dtype(index: CheckpointIndex, tensors: list[HfTensor]) -> torch.dtype:

@@ -11,6 +11,13 @@ entries are bytes. ``common.pt`` holds the non-sharded state (``args``, ``iterat
 The reader presents the canonical view: one global tensor per layer
 (``decoder.layers.{i}.…``), each stored chunk of a stacked tensor split into per-layer
 pieces. The older ``zarr`` backend is detected but not read yet.
+
+The non-distributed optimizer (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``)
+saves its state the model's way: ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<model
+key>`` ShardedTensors (stacked like the model's, so the same per-layer split gives the
+canonical keys), and its step, param groups and grad scaler in ``common.pt["optimizer"]``
+(see :mod:`converters.megatron_optimizer`). The distributed optimizer's flat buffers are
+refused with the reason.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.layout import VOCAB, ModelSpec, layout
 from ckptool.core.regions import Shard
 from ckptool.core.topology import Topology
-from ckptool.core.errors import BadCheckpoint, UnsupportedFormat
+from ckptool.core.errors import BadCheckpoint, UnreadableInput, UnsupportedFormat
 from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, TensorInfo, Writer
 from ckptool.core.regions import Region
 from ckptool.core.storage import Store
@@ -45,6 +52,9 @@ METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
 STACKED = "decoder.layers."
 STACK_TAG = "stacked-layer"
+OPTIMIZER = "optimizer"
+OPTIMIZER_COMMON = "megatron.optimizer.common"
+"""A common.pt optimizer entry ckptool cannot map (shown by inspect, not carried)."""
 CANONICAL_COMMON = ("args", "iteration", "checkpoint_version", "opt_param_scheduler",
                     "num_floating_point_operations_so_far")
 """common.pt entries that mean the same as the legacy rank files' keys of the same name."""
@@ -113,6 +123,12 @@ class MegatronDistReader(DcpContainerReader):
             else:
                 index.tensors[key] = TensorInfo(key, info.shape, info.dtype, pieces)
         self._read_common(store, prefix + COMMON, index)
+        layout_ = index.objects.get(optim.LAYOUT_KEY)
+        if index.unmapped is None:
+            index.unmapped = optim.check_tensors(index, layout_.value if layout_ else None,
+                                                 store.display(prefix + COMMON))
+        if index.unmapped is not None:
+            index.objects.pop(optim.LAYOUT_KEY, None)
         return index
 
     def _read_common(self, store: Store, rel: str, index: CheckpointIndex) -> None:
@@ -128,6 +144,9 @@ class MegatronDistReader(DcpContainerReader):
         if not isinstance(common, dict):
             return
         for key, value in common.items():
+            if key == OPTIMIZER:
+                self._read_optimizer(value, index, store.display(rel))
+                continue
             name = key if key in CANONICAL_COMMON else f"common.{key}"
             index.objects[name] = ObjectInfo(key, value=value)
         if isinstance(common.get("iteration"), int):
@@ -137,6 +156,18 @@ class MegatronDistReader(DcpContainerReader):
             spec, topo, known = spec_from_args(args)
             index.topology, index.model_config = topo, asdict(spec)
             index.true_vocab_size = spec.vocab_size if known else None
+
+    @staticmethod
+    def _read_optimizer(value, index: CheckpointIndex, source: str) -> None:
+        """The optimizer's step, param groups and grad scaler: the same canonical object
+        as the legacy reader's; or, when they are not the non-distributed optimizer's,
+        the reason (kept raw under ``OPTIMIZER_COMMON`` for inspect, never written back)."""
+        try:
+            index.objects[optim.LAYOUT_KEY] = ObjectInfo(
+                optim.LAYOUT_KEY, value=optim.read_sharded_common(value, source))
+        except UnreadableInput as exc:
+            index.unmapped = exc.message
+            index.objects[OPTIMIZER_COMMON] = ObjectInfo(OPTIMIZER, value=value)
 
     def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
         detail = piece.location.detail
@@ -183,15 +214,23 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
     def __init__(self):
         self._target = None
         self._shapes: dict[str, tuple] = {}
+        self._optimizer: optim.Layout | None = None
 
     def notes(self, index) -> list[str]:
         return ["RNG state is not written to torch_dist outputs yet: resume with Megatron's "
                 "--no-load-rng"]
 
     def unsupported_state(self, index) -> str | None:
-        if any(k.startswith(optim.PREFIX) for k in index.tensors):
-            return "writing optimizer state to torch_dist is not implemented yet"
-        return index.unmapped
+        if index.unmapped or not any(k.startswith(optim.PREFIX) for k in index.tensors):
+            return index.unmapped
+        if optim.DISTRIBUTED_KEY in index.objects:
+            return ("the source holds Megatron's distributed-optimizer state (distrib_optim.pt); "
+                    "writing it to torch_dist is not implemented (only the non-distributed "
+                    "optimizer's)")
+        if optim.LAYOUT_KEY not in index.objects:
+            return (f"the {index.format} source's optimizer state is not a Megatron optimizer's "
+                    "(no param groups and step to write into common.pt)")
+        return None
 
     def source_schema(self, opened) -> str:
         return "mcore-te"
@@ -204,6 +243,9 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         files = []
         self._shapes = {}
         self._target = (spec, topo)
+        optimizer = index.objects.get(optim.LAYOUT_KEY) if with_optimizer else None
+        self._optimizer = optimizer.value if optimizer else None
+        kinds = optim.state_kinds(self._optimizer) if self._optimizer else ()
         for rank in layout(spec, topo):
             rank_id = rank.pp_rank * topo.tp + rank.tp_rank
             target = TargetFile(f"{it_dir}/__{rank_id}_0.distcp",
@@ -212,9 +254,15 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
                 if t.replica:
                     continue
                 for shard, key, offsets, lengths, shape in _chunks(t, params, spec, padded, rank.tp_rank):
-                    self._shapes[key] = (shape, source_dtype(index, _first_key(t)))
-                    target.tensors.append(TargetTensor((key, offsets, lengths), shard,
-                                                       source_dtype(index, _first_key(t))))
+                    # the optimizer's state tensors are chunked exactly like their parameter
+                    for kind in (None, *kinds):
+                        name = key if kind is None else optim.state_key(kind, key)
+                        dtype = source_dtype(index, _first_key(t) if kind is None else
+                                             optim.state_key(kind, _first_key(t)))
+                        self._shapes[name] = (shape, dtype)
+                        target.tensors.append(TargetTensor(
+                            (name, offsets, lengths),
+                            shard if kind is None else optim.state_shard(kind, shard), dtype))
             files.append(target)
         return files
 
@@ -250,6 +298,8 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
                 common[key] = index.objects[key].value
         common.setdefault("iteration", index.iteration or 0)
         common.setdefault("checkpoint_version", 3.0)
+        if self._optimizer is not None:
+            common[OPTIMIZER] = optim.sharded_common(self._optimizer)
         args = index.objects.get("args")
         spec, topo = self._target
         common["args"] = update_args(args.value if args else None, spec, topo, index.true_vocab_size)

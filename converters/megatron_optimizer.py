@@ -14,6 +14,11 @@ mapping a number to a parameter needs Megatron's grouping rule, which is:
 
 Every mapping is checked against the stored shapes and group sizes; a checkpoint that
 does not fit the rule is refused with the reason, never mapped by guess.
+
+Megatron-Core's ``torch_dist`` form of the same optimizer (``sharded_state_dict``) needs no
+grouping rule: each state tensor is a ShardedTensor keyed like its parameter
+(``optimizer.state.exp_avg.<model sharded key>``; ``optimizer.state.fp32_param.<key>`` for
+the fp32 masters), and ``common.pt`` holds the rest (:func:`read_sharded_common`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ from ckptool.core.errors import UnreadableInput
 
 KINDS = ("exp_avg", "exp_avg_sq", "fp32_param")
 PREFIX = "optimizer.state."
+LAYOUT_KEY = "megatron.optimizer.layout"
+"""Canonical object of both Megatron formats: the optimizer's non-tensor state, a
+:class:`Layout` without tensors (``converters.megatron.OPTIMIZER_LAYOUT_KEY`` is this name)."""
+DISTRIBUTED_KEY = "megatron.optimizer.distributed"
+"""The legacy reader's object for a distributed optimizer (``distrib_optim.pt``)."""
+COMMON_STEP = "common_step"
+"""Where ``sharded_state_dict`` keeps the step shared by every parameter."""
 
 
 def state_key(kind: str, canonical: str) -> str:
@@ -153,3 +165,108 @@ def build(params: list[tuple[str, int]], layout: Layout, pending) -> dict:
     if not layout.fp16:
         return inner
     return {"optimizer": inner, **copy.deepcopy(layout.extra), "fp32_from_fp16_params": masters}
+
+
+# ------------------------------------------------------ Megatron-Core sharded (torch_dist) form
+
+
+def read_sharded_common(optimizer: Any, source: str) -> Layout:
+    """The optimizer's non-tensor state from a torch_dist ``common.pt``.
+
+    ``FP32Optimizer.sharded_state_dict`` saves ``{"state": {"common_step": step},
+    "param_groups": [hyperparameters...]}`` there (``params`` are local, not saved);
+    ``Float16OptimizerWithFloat16Params`` nests that under ``"optimizer"`` beside
+    ``grad_scaler`` (its ``fp32_from_fp16_params`` are all ShardedTensors). The
+    distributed optimizer says ``param_state_sharding_type``: not this form.
+    """
+    if not isinstance(optimizer, dict):
+        raise UnreadableInput("common.pt's optimizer entry is not a dict", path=source)
+    if "param_state_sharding_type" in optimizer:
+        raise UnreadableInput(
+            f"Megatron-Core distributed-optimizer state ({optimizer['param_state_sharding_type']!r} "
+            "sharding) is not read yet; only the non-distributed optimizer's model-shaped state is",
+            path=source)
+    fp16 = isinstance(optimizer.get("optimizer"), dict)
+    inner = optimizer["optimizer"] if fp16 else optimizer
+    if not isinstance(inner.get("param_groups"), list) or not isinstance(inner.get("state", {}), dict):
+        raise UnreadableInput("common.pt's optimizer entry is not a Megatron-Core FP32/Float16 "
+                              "optimizer sharded state dict", path=source)
+    state = inner.get("state", {})
+    other = sorted(str(k) for k in state if k != COMMON_STEP)
+    if other:
+        raise UnreadableInput(f"common.pt holds optimizer state {other} outside ShardedTensors; "
+                              "ckptool maps only the common step", path=source)
+    step = state.get(COMMON_STEP)
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]]
+    extra = {k: v for k, v in optimizer.items() if k not in ("optimizer", "fp32_from_fp16_params")} \
+        if fp16 else {}
+    return Layout(fp16, {}, None if step is None else _scalar(step), hyper, extra)
+
+
+def sharded_common(layout: Layout) -> dict:
+    """What ``dist_checkpointing.save`` puts in common.pt for this optimizer: the inverse of
+    :func:`read_sharded_common` (mcore keeps the step only when it is non-zero)."""
+    import torch
+
+    inner = {"state": {}, "param_groups": copy.deepcopy(layout.hyper)}
+    if layout.step:
+        inner["state"][COMMON_STEP] = torch.tensor(float(layout.step))
+    return {"optimizer": inner, **copy.deepcopy(layout.extra)} if layout.fp16 else inner
+
+
+def state_kinds(layout: Layout) -> tuple[str, ...]:
+    """The state tensors each parameter has: Adam's moments, and the fp32 master when the
+    optimizer keeps one apart from a 16-bit parameter."""
+    return KINDS if layout.fp16 else KINDS[:2]
+
+
+def split_key(key: str) -> tuple[str, str] | None:
+    """``optimizer.state.exp_avg.<param key>`` -> (``exp_avg``, ``<param key>``); None for a
+    key that is not a state tensor of a known kind."""
+    if not key.startswith(PREFIX):
+        return None
+    kind, _, param = key[len(PREFIX):].partition(".")
+    return (kind, param) if kind in KINDS and param else None
+
+
+def check_tensors(index, layout: Layout | None, source: str) -> str | None:
+    """Why the ``optimizer.*`` tensors of ``index`` are not the model-shaped state that
+    ``layout`` describes (each parameter: one tensor of each kind, of its shape), or None."""
+    keys = [k for k in index.tensors if k.startswith("optimizer.")]
+    if not keys:
+        return None if layout is None else \
+            f"{source} describes an optimizer but holds no optimizer state tensors"
+    if layout is None:
+        return f"optimizer tensors (e.g. {keys[0]}) without the optimizer's common state in {source}"
+    found: dict[str, set[str]] = {}
+    for key in keys:
+        parts = split_key(key)
+        if parts is None:
+            what = "Megatron-Core distributed-optimizer buffers (flat, not model-shaped)" \
+                if key.startswith("optimizer.distributed.") else \
+                "optimizer state of a kind ckptool does not map"
+            return f"{what}: {key}"
+        kind, param = parts
+        info = index.tensors.get(param)
+        if info is None or tuple(info.shape) != tuple(index.tensors[key].shape):
+            return f"{key} does not match a parameter of the same shape"
+        found.setdefault(param, set()).add(kind)
+    want = set(state_kinds(layout))
+    for param, kinds in found.items():
+        if kinds != want:
+            return f"parameter {param} has optimizer state {sorted(kinds)}, expected {sorted(want)}"
+    missing = [k for k in index.tensors if not k.startswith("optimizer.") and k not in found]
+    if missing:
+        return f"parameter {missing[0]} (and {len(missing) - 1} more) has no optimizer state"
+    return None
+
+
+def state_shard(kind: str, shard):
+    """The shard of a parameter's ``kind`` state: the parameter's regions under the state's
+    key (a state tensor is laid out exactly like its parameter)."""
+    from dataclasses import replace
+
+    from ckptool.core.regions import Shard
+
+    parts = tuple((off, replace(r, key=state_key(kind, r.key))) for off, r in shard.parts)
+    return Shard(shard.shape, parts, shard.dtype)

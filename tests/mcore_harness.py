@@ -356,3 +356,151 @@ def load_dist_logits(m: dict, tp: int, root: Path) -> torch.Tensor:
     out = root.parent / f"{root.name}.dist-logits.pt"
     _spawn(_load_dist_worker, tp, m, tp, str(root), str(out))
     return torch.load(out)
+
+
+# ------------------------- torch_dist with Megatron-Core's own (non-distributed) optimizer
+
+
+def _cpu_tensors_for_cuda():
+    """CPU shim (test only): the tensors mcore's optimizers create on "cuda" (loss scale,
+    found-inf flag) stay on the CPU; and bf16 parameters count as CUDA ones for
+    Float16OptimizerWithFloat16Params, which checks ``param.type()``."""
+    if getattr(torch, "_ckptool_cpu_shim", False):
+        return
+    tensor, type_ = torch.tensor, torch.Tensor.type
+
+    def cpu_tensor(*a, device=None, **k):
+        return tensor(*a, device=None if str(device).startswith("cuda") else device, **k)
+
+    def cuda_type(self, *a, **k):
+        name = type_(self, *a, **k)
+        return name.replace("torch.", "torch.cuda.", 1) if not a and not k else name
+
+    torch.tensor, torch.Tensor.type = cpu_tensor, cuda_type
+    torch._ckptool_cpu_shim = True
+
+
+def _mcore_optimizer(model, bf16: bool):
+    """What get_megatron_optimizer builds without TE/apex (torch AdamW over Megatron's param
+    groups): FP32Optimizer, or Float16OptimizerWithFloat16Params for a bf16 model. The
+    scheduler's per-group weight decay (wd_mult) is set once; no gradient clipping."""
+    from megatron.core.optimizer import (OptimizerConfig, _get_megatron_optimizer_based_on_param_groups,
+                                         _get_param_groups)
+
+    _cpu_tensors_for_cuda()
+    config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WD, clip_grad=0.0, bf16=bf16,
+                             params_dtype=torch.bfloat16 if bf16 else torch.float32)
+    groups = _get_param_groups([model], config, None)
+    opt = _get_megatron_optimizer_based_on_param_groups(config, [model], groups)
+    for g in opt.param_groups:
+        g["weight_decay"] = WD * g["wd_mult"]
+    return opt
+
+
+def _dist_model(m, tp, bf16):
+    model = _model(m, tp, 1, True, True)
+    return model.to(torch.bfloat16) if bf16 else model
+
+
+def _mcore_step(model, opt, step: int):
+    tok, labels = _batch(step)
+    pos = torch.arange(SEQ).expand(BATCH, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
+    model.train()
+    opt.zero_grad()
+    loss = model(tok, pos, mask, labels=labels).float().mean()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _local_optimizer_state(model, opt) -> dict:
+    """This rank's Adam moments (and fp32 masters) by local parameter name."""
+    out = {}
+    for name, p in model.named_parameters():
+        main = getattr(p, "main_param", p)
+        state = opt.optimizer.state[main]
+        out[name] = {k: v.clone() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq", "step")}
+        if main is not p:
+            out[name]["fp32_param"] = main.detach().clone()
+    return out
+
+
+def _dist_sharded(model, opt, is_loading=False):
+    model_sd = model.sharded_state_dict()
+    return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+
+def _train_save_dist_worker(rank, m, tp, root, bf16, port):
+    ps = _init(rank, tp, tp, 1, port)
+    torch.cuda.synchronize = lambda *a, **k: None
+    from megatron.core import dist_checkpointing
+
+    torch.manual_seed(1234)
+    model = _dist_model(m, tp, bf16)
+    opt = _mcore_optimizer(model, bf16)
+    for step in range(2):
+        _mcore_step(model, opt, step)
+    it = Path(root) / "iter_0000002"
+    if rank == 0:
+        it.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    args = megatron_args(m, tp, 1)
+    if bf16:
+        args.params_dtype, args.bf16 = torch.bfloat16, True
+    dist_checkpointing.save({**_dist_sharded(model, opt), "args": args, "iteration": 2,
+                             "checkpoint_version": 3.0,
+                             "opt_param_scheduler": {"num_steps": 2, "max_lr": LR}}, str(it))
+    if rank == 0:
+        (Path(root) / "latest_checkpointed_iteration.txt").write_text("2")
+    torch.save(_local_optimizer_state(model, opt),
+               Path(root).parent / f"{Path(root).name}.optim-rank{rank}.pt")
+    loss = _mcore_step(model, opt, 2)  # the uninterrupted run goes on
+    logits = _forward(ps, model, m, tp, 1)
+    if logits is not None:
+        torch.save({"loss": loss, "logits": logits.float()},
+                   Path(root).parent / f"{Path(root).name}.after.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _resume_dist_worker(rank, m, tp, root, out, bf16, port):
+    """Megatron-LM's load path: dist_checkpointing.load of the model's and the optimizer's
+    sharded state dicts (is_loading=True), then load_state_dict of each; one more step."""
+    ps = _init(rank, tp, tp, 1, port)
+    torch.cuda.synchronize = lambda *a, **k: None
+    from megatron.core import dist_checkpointing
+
+    model = _dist_model(m, tp, bf16)
+    opt = _mcore_optimizer(model, bf16)
+    tracker = (Path(root) / "latest_checkpointed_iteration.txt").read_text().strip()
+    it = Path(root) / f"iter_{int(tracker):07d}"
+    state = dist_checkpointing.load(_dist_sharded(model, opt, is_loading=True), str(it))
+    model.load_state_dict(state["model"], strict=True)
+    opt.load_state_dict(state["optimizer"])
+    loaded = _local_optimizer_state(model, opt)
+    loss = _mcore_step(model, opt, 2)
+    logits = _forward(ps, model, m, tp, 1)
+    torch.save(loaded, Path(out).parent / f"{Path(out).name}.optim-rank{rank}.pt")
+    if logits is not None:
+        torch.save({"loss": loss, "logits": logits.float()}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train_and_save_dist(m: dict, tp: int, root: Path, bf16: bool = False) -> dict:
+    """Train 2 steps at TP=tp with Megatron-Core's own optimizer (FP32, or bf16 with fp32
+    masters), save torch_dist with the optimizer by ``dist_checkpointing.save``, train one
+    more step; that step's loss and logits."""
+    _spawn(_train_save_dist_worker, tp, m, tp, str(root), bf16)
+    return torch.load(root.parent / f"{root.name}.after.pt")
+
+
+def resume_one_step_dist(m: dict, tp: int, root: Path, bf16: bool = False) -> dict:
+    """Load a torch_dist checkpoint with its optimizer at TP=tp the way Megatron-LM does, take
+    the next step; its loss and logits, and (``"optimizer"``) the loaded state per rank."""
+    out = root.parent / f"{root.name}.resumed-dist.pt"
+    _spawn(_resume_dist_worker, tp, m, tp, str(root), str(out), bf16)
+    result = torch.load(out)
+    result["optimizer"] = [torch.load(root.parent / f"{out.name}.optim-rank{r}.pt") for r in range(tp)]
+    return result
