@@ -20,6 +20,7 @@ READERS = {
     "deepspeed": "converters.deepspeed:DeepSpeedReader",
     "deepspeed-universal": "converters.deepspeed_universal:UniversalReader",
     "hf": "converters.hf:HfReader",
+    "megatron-zarr": "converters.megatron_zarr:MegatronZarrReader",
 }
 FORMATS = tuple(READERS)
 WRITERS = {
@@ -32,8 +33,9 @@ WRITERS = {
 
 # More specific layouts first: a DeepSpeed universal checkpoint also has model-state files,
 # a Megatron torch_dist directory also has a DCP `.metadata`, and an HF Trainer DeepSpeed
-# checkpoint also has `config.json`.
-DETECT_ORDER = ("deepspeed-universal", "deepspeed", "megatron-dist", "dcp", "megatron", "hf")
+# checkpoint also has `config.json`. Megatron-Core's zarr backend also has `metadata.json`.
+DETECT_ORDER = ("deepspeed-universal", "deepspeed", "megatron-zarr", "megatron-dist", "dcp",
+                "megatron", "hf")
 
 
 def reader_class(name: str) -> type[Reader]:
