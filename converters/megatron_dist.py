@@ -10,7 +10,7 @@ entries are bytes. ``common.pt`` holds the non-sharded state (``args``, ``iterat
 
 The reader presents the canonical view: one global tensor per layer
 (``decoder.layers.{i}.…``), each stored chunk of a stacked tensor split into per-layer
-pieces. The older ``zarr`` backend is detected but not read yet.
+pieces. The older ``zarr`` backend is read by :mod:`converters.megatron_zarr` (not written).
 
 The non-distributed optimizer (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``)
 saves its state the model's way: ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<model
@@ -22,10 +22,9 @@ refused with the reason.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import torch
 
@@ -35,57 +34,20 @@ from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.layout import VOCAB, ModelSpec, layout
 from ckptool.core.regions import Shard
 from ckptool.core.topology import Topology
-from ckptool.core.errors import BadCheckpoint, UnreadableInput, UnsupportedFormat
-from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, TensorInfo, Writer
-from ckptool.core.regions import Region
+from ckptool.core.errors import BadCheckpoint, UnsupportedFormat
+from ckptool.core.index import CheckpointIndex, Piece, TensorInfo, Writer
 from ckptool.core.storage import Store
-from ckptool.core.torchfile import TorchFile
 from converters import megatron_optimizer as optim
-from converters.megatron_common import (TRACKER, iteration_dir, params_by_key, source_dtype,
-                                        spec_from_args, tracked_dir, update_args, UnevenStages)
+from converters.megatron_common import (CANONICAL_COMMON, COMMON, METADATA_JSON, OPTIMIZER,
+                                        STACK_TAG, STACKED, TRACKER, UnevenStages,
+                                        checkpoint_dir, is_stacked, iteration_dir, metadata,
+                                        params_by_key, read_common, source_dtype, split_layers,
+                                        update_args)
 
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
                        "mlp.linear_fc2")
 
 NAME = "megatron-dist"
-METADATA_JSON = "metadata.json"
-COMMON = "common.pt"
-STACKED = "decoder.layers."
-STACK_TAG = "stacked-layer"
-OPTIMIZER = "optimizer"
-OPTIMIZER_COMMON = "megatron.optimizer.common"
-"""A common.pt optimizer entry ckptool cannot map (shown by inspect, not carried)."""
-CANONICAL_COMMON = ("args", "iteration", "checkpoint_version", "opt_param_scheduler",
-                    "num_floating_point_operations_so_far")
-"""common.pt entries that mean the same as the legacy rank files' keys of the same name."""
-
-
-def _metadata(store: Store, rel: str = "") -> dict | None:
-    path = f"{rel}/{METADATA_JSON}" if rel else METADATA_JSON
-    if not store.exists(path):
-        return None
-    try:
-        meta = json.loads(store.read_bytes(path))
-    except ValueError:
-        return None
-    return meta if isinstance(meta, dict) and "sharded_backend" in meta else None
-
-
-def checkpoint_dir(store: Store) -> str:
-    """The directory (relative) holding metadata.json: the store itself or the tracked one."""
-    if _metadata(store) is not None:
-        return ""
-    tracked = tracked_dir(store)
-    if tracked is not None and _metadata(store, tracked) is not None:
-        return tracked
-    raise BadCheckpoint("no Megatron-Core metadata.json found", path=store.url)
-
-
-def _is_stacked(key: str) -> bool:
-    if STACKED not in key:
-        return False
-    rest = key.split(STACKED, 1)[1]
-    return not rest.split(".", 1)[0].isdigit()
 
 
 class MegatronDistReader(DcpContainerReader):
@@ -101,10 +63,12 @@ class MegatronDistReader(DcpContainerReader):
 
     def read_index(self, store: Store) -> CheckpointIndex:
         base = checkpoint_dir(store)
-        meta = _metadata(store, base)
+        meta = metadata(store, base)
         if meta.get("sharded_backend") != "torch_dist":
-            raise UnsupportedFormat(f"the {meta.get('sharded_backend')!r} backend of Megatron-Core "
-                                    "checkpoints is not read yet (only torch_dist)", path=store.url)
+            backend = meta.get("sharded_backend")
+            raise UnsupportedFormat(f"the {backend!r} backend of Megatron-Core checkpoints is not "
+                                    "read as megatron-dist (only torch_dist)", path=store.url,
+                                    hint="Read it as megatron-zarr" if backend == "zarr" else None)
         sub = store.child(base) if base else store
         raw = super().read_index(sub)
         prefix = f"{base}/" if base else ""
@@ -118,56 +82,12 @@ class MegatronDistReader(DcpContainerReader):
         for key, info in raw.tensors.items():
             pieces = [replace(p, location=replace(p.location, file=prefix + p.location.file))
                       for p in info.pieces]
-            if _is_stacked(key) and len(info.shape) >= 1:
-                _split_layers(index, key, info, pieces)
+            if is_stacked(key) and len(info.shape) >= 1:
+                split_layers(index, key, info, pieces)
             else:
                 index.tensors[key] = TensorInfo(key, info.shape, info.dtype, pieces)
-        self._read_common(store, prefix + COMMON, index)
-        layout_ = index.objects.get(optim.LAYOUT_KEY)
-        if index.unmapped is None:
-            index.unmapped = optim.check_tensors(index, layout_.value if layout_ else None,
-                                                 store.display(prefix + COMMON))
-        if index.unmapped is not None:
-            index.objects.pop(optim.LAYOUT_KEY, None)
+        read_common(store, prefix + COMMON, index)
         return index
-
-    def _read_common(self, store: Store, rel: str, index: CheckpointIndex) -> None:
-        if not store.exists(rel):
-            raise BadCheckpoint("common.pt is missing", path=store.display(rel))
-        reader = store.range_reader(rel)
-        try:
-            archive = TorchFile(reader, reader.size, store.display(rel))
-            common = archive.materialize(archive.obj)
-        finally:
-            reader.close()
-        index.files[rel] = 1
-        if not isinstance(common, dict):
-            return
-        for key, value in common.items():
-            if key == OPTIMIZER:
-                self._read_optimizer(value, index, store.display(rel))
-                continue
-            name = key if key in CANONICAL_COMMON else f"common.{key}"
-            index.objects[name] = ObjectInfo(key, value=value)
-        if isinstance(common.get("iteration"), int):
-            index.iteration = common["iteration"]
-        args = common.get("args")
-        if isinstance(args, argparse.Namespace):
-            spec, topo, known = spec_from_args(args)
-            index.topology, index.model_config = topo, asdict(spec)
-            index.true_vocab_size = spec.vocab_size if known else None
-
-    @staticmethod
-    def _read_optimizer(value, index: CheckpointIndex, source: str) -> None:
-        """The optimizer's step, param groups and grad scaler: the same canonical object
-        as the legacy reader's; or, when they are not the non-distributed optimizer's,
-        the reason (kept raw under ``OPTIMIZER_COMMON`` for inspect, never written back)."""
-        try:
-            index.objects[optim.LAYOUT_KEY] = ObjectInfo(
-                optim.LAYOUT_KEY, value=optim.read_sharded_common(value, source))
-        except UnreadableInput as exc:
-            index.unmapped = exc.message
-            index.objects[OPTIMIZER_COMMON] = ObjectInfo(OPTIMIZER, value=value)
 
     def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
         detail = piece.location.detail
@@ -177,25 +97,6 @@ class MegatronDistReader(DcpContainerReader):
         chunk = super().read_piece(store, Piece(chunk_region, replace(piece.location, detail=inner)),
                                    dtype)
         return chunk[layer].contiguous()
-
-
-def _split_layers(index: CheckpointIndex, key: str, info: TensorInfo, pieces: list[Piece]) -> None:
-    """A stacked ``[L, ...]`` tensor becomes L per-layer tensors; each chunk, per-layer pieces."""
-    head, rest = key.split(STACKED, 1)
-    shape = info.shape[1:]
-    for l in range(info.shape[0]):
-        name = f"{head}{STACKED}{l}.{rest}"
-        index.tensors[name] = TensorInfo(name, shape, info.dtype)
-    for p in pieces:
-        l0, n = p.region.offsets[0], p.region.lengths[0]
-        if p.region.flat is not None:
-            raise BadCheckpoint("flat-sharded stacked tensors are not supported", key=key)
-        for i in range(n):
-            name = f"{head}{STACKED}{l0 + i}.{rest}"
-            region = Region(name, shape, p.region.offsets[1:], p.region.lengths[1:])
-            loc = Location(p.location.file, p.location.offset, p.location.length,
-                           (STACK_TAG, i, p.region, p.location.detail))
-            index.tensors[name].pieces.append(Piece(region, loc))
 
 
 # ----------------------------------------------------------------------------- writing

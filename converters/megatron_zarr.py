@@ -40,15 +40,14 @@ from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, Rea
 from ckptool.core.regions import Region, byte_runs
 from ckptool.core.storage import Store
 from ckptool.core.torchfile import TorchFile
-# Shared with the torch_dist reader (see the report on issue #8: these belong in megatron_common).
-from converters.megatron_dist import (COMMON, METADATA_JSON, STACK_TAG, MegatronDistReader,
-                                      _is_stacked, _metadata, _split_layers, checkpoint_dir)
+from converters import megatron_optimizer as optim
+from converters.megatron_common import (COMMON, METADATA_JSON, OPTIMIZER, STACK_TAG,
+                                        checkpoint_dir, is_stacked, metadata, read_common,
+                                        split_layers)
 
 NAME = "megatron-zarr"
 BACKEND = "zarr"
 ZARRAY = ".zarray"
-OPTIMIZER_PREFIX = "optimizer."
-OPTIMIZER_OBJECTS = ("common.optimizer", "megatron.optimizer.")
 _SHARD = re.compile(r"^shard_([\d.]*)_([\d.]*)\.pt$")
 _DTYPES = {
     "bfloat16": torch.bfloat16, "<f2": torch.float16, "<f4": torch.float32, "<f8": torch.float64,
@@ -79,11 +78,11 @@ class MegatronZarrReader(Reader):
             base = checkpoint_dir(store)
         except BadCheckpoint:
             return False
-        return _metadata(store, base).get("sharded_backend") == BACKEND
+        return metadata(store, base).get("sharded_backend") == BACKEND
 
     def read_index(self, store: Store) -> CheckpointIndex:
         base = checkpoint_dir(store)
-        meta = _metadata(store, base)
+        meta = metadata(store, base)
         if meta.get("sharded_backend") != BACKEND:
             raise UnsupportedFormat(f"not a zarr checkpoint ({meta.get('sharded_backend')!r})",
                                     path=store.url, hint="Read it as megatron-dist")
@@ -104,8 +103,7 @@ class MegatronZarrReader(Reader):
                 name = f"{key}/{file.removesuffix('.pt')}"
                 index.objects[name] = ObjectInfo(name, Location(f"{prefix}{key}/{file}"))
                 index.files[f"{prefix}{key}/{file}"] = 1
-        # common.pt means the same as in torch_dist: args -> topology, model config, vocab.
-        MegatronDistReader._read_common(self, store, prefix + COMMON, index)
+        read_common(store, prefix + COMMON, index)  # as torch_dist's, the optimizer's too
         _refuse_optimizer(index)
         return index
 
@@ -148,17 +146,16 @@ class MegatronZarrReader(Reader):
 
 
 def _refuse_optimizer(index: CheckpointIndex) -> None:
-    """Optimizer state (``optimizer.*`` arrays, common.pt's ``optimizer``) is not mapped from
-    zarr checkpoints yet: no real one was at hand to check its layout against. Every writer
-    then refuses it, unless the user drops it (--drop-optimizer)."""
-    found = next((k for k in index.tensors if k.startswith(OPTIMIZER_PREFIX)), None) or \
-        next((k for k in index.objects if k.startswith(OPTIMIZER_OBJECTS)), None)
-    if found is None:
+    """Optimizer state is refused, with :func:`read_common`'s reason when it has one. Even
+    state that maps as torch_dist's does is refused: no real zarr checkpoint with optimizer
+    state was at hand to check Megatron-Core's layout against. Every writer then refuses it,
+    unless the user drops it (--drop-optimizer)."""
+    found = next((k for k in index.tensors if k.startswith(f"{OPTIMIZER}.")), None)
+    if found is None and index.unmapped is None:  # read_common: no layout without tensors
         return
-    for key in [k for k in index.objects if k.startswith(OPTIMIZER_OBJECTS)]:
-        del index.objects[key]
-    index.unmapped = index.unmapped or (
-        f"optimizer state in Megatron-Core zarr checkpoints (e.g. {found}) is not read yet")
+    index.objects.pop(optim.LAYOUT_KEY, None)
+    why = f": {index.unmapped}" if index.unmapped else f" (e.g. {found})"
+    index.unmapped = f"optimizer state in Megatron-Core zarr checkpoints is not read yet{why}"
 
 
 def _add_array(store: Store, rel: str, key: str, index: CheckpointIndex) -> None:
@@ -177,8 +174,8 @@ def _add_array(store: Store, rel: str, key: str, index: CheckpointIndex) -> None
         pieces.append(Piece(Region(key, shape, offsets, lengths),
                             Location(file, 0, None if chunk.codecs else nbytes, chunk)))
     info = TensorInfo(key, shape, dtype)
-    if _is_stacked(key) and shape:
-        _split_layers(index, key, info, pieces)
+    if is_stacked(key) and shape:
+        split_layers(index, key, info, pieces)
     else:
         info.pieces = pieces
         index.tensors[key] = info
@@ -240,12 +237,11 @@ def _unpack(piece: Piece) -> tuple[int | None, Region, _Chunk]:
 
 
 def _open(store: Store, loc: Location):
-    # Checked first: a RangeReader whose file is missing fails in __init__ and then again,
-    # noisily, in __del__.
-    if not store.exists(loc.file):
+    try:
+        return store.range_reader(loc.file)
+    except UnreadableInput:  # the file is not there: the checkpoint is damaged
         what = "object file" if loc.file.endswith(".pt") else "chunk file"
-        raise BadCheckpoint(f"{what} is missing", path=store.display(loc.file))
-    return store.range_reader(loc.file)
+        raise BadCheckpoint(f"{what} is missing", path=store.display(loc.file)) from None
 
 
 def _truncated(size: int, want: int | None) -> str:

@@ -135,14 +135,14 @@ class RangeReader:
     """``reader(start, end) -> bytes`` over one file; ``size`` is known up front."""
 
     def __init__(self, store: Store, rel: str):
+        self._fd: int | None = None  # set first: close() and __del__ run even if opening fails
+        self._file = None
         self.source = store.display(rel)
         try:
             if store.is_local:
                 self._fd = os.open(store.path(rel), os.O_RDONLY)
-                self._file = None
                 self.size = os.fstat(self._fd).st_size
             else:
-                self._fd = None
                 self._file = store.fs.open(store.path(rel), "rb", block_size=8 << 20)
                 self.size = int(self._file.size)
         except FileNotFoundError:
