@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -190,24 +189,9 @@ def hook_save_real(m: dict, tp: int, root: Path) -> torch.Tensor:
 
 
 def _spawn(fn, nprocs, *args):
-    """Run the workers; retry when one dies by a signal.
+    from tests.conftest import free_port, spawn
 
-    Seen once in a CI-like run: gloo/megatron-core worker processes aborting with
-    "terminate called without an active exception" (SIGABRT) in this harness, before ckptool
-    is involved at all. A worker that fails by raising is never retried.
-    """
-    import torch.multiprocessing as mp
-
-    from tests.conftest import free_port
-
-    for attempt in range(3):
-        try:
-            mp.spawn(fn, args=(*args, free_port()), nprocs=nprocs, join=True)
-            return
-        except mp.ProcessExitedException as exc:
-            if exc.signal_name is None or attempt == 2:
-                raise
-            warnings.warn(f"mcore harness worker died by {exc.signal_name}; retrying")
+    spawn(fn, nprocs, (*args, free_port()), "mcore harness")
 
 
 def save_real(m: dict, tp: int, root: Path) -> torch.Tensor:
