@@ -1,5 +1,8 @@
 """DeepSpeed checkpoints (plain engines: mp=1, no pipeline, no MoE), read and written.
 
+Pipeline checkpoints (Megatron-DeepSpeed's ``layer_*-model_*-model_states.pt``) are read
+by :mod:`converters.deepspeed_pipe`, dispatched from :meth:`DeepSpeedReader.read_index`.
+
 A run root has ``latest`` (the tag) and ``<tag>/`` (default ``global_step{N}``) with:
 
 * **model states**: ``mp_rank_00_model_states.pt`` (stages 0-2, written once) or
@@ -45,6 +48,7 @@ from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending, TensorRef
 from ckptool.core.torchreader import TorchFileReader, save_target
+from converters.deepspeed_pipe import PIPELINE_KEY, is_pipeline, read_pipeline
 from converters.megatron_optimizer import state_key
 
 NAME = "deepspeed"
@@ -56,7 +60,6 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 _MP_STATES = re.compile(r"^mp_rank_(\d{2})_model_states\.pt$")
 _ZERO_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2})_?optim_states\.pt$")
-_LAYER = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
 _STEP_DIR = re.compile(r"^global_step(\d+)$")
 _PER_RANK = ("base_optimizer_state", "optimizer_state_dict", "single_partition_of_fp32_groups",
              "fp32_flat_groups", "group_paddings", "partition_count", "param_slice_mappings")
@@ -194,6 +197,8 @@ class DeepSpeedReader(TorchFileReader):
         ``config.json`` beside ``latest`` (the HF Trainer's ``checkpoint-N/`` layout)."""
         from converters.hf import CONFIG, named_view
 
+        if PIPELINE_KEY in index.objects:
+            return None
         if self.model_config:
             where = self.model_config
             try:
@@ -233,9 +238,8 @@ class DeepSpeedReader(TorchFileReader):
         where = store.display(tag)
         join = (lambda n: f"{tag}/{n}") if tag else (lambda n: n)
         names = [n for n, d in store.ls(tag) if not d]
-        if any(_LAYER.match(n) for n in names):
-            raise UnreadableInput("DeepSpeed pipeline checkpoints (layer_*-model_*) are not "
-                                  "supported yet", path=where)
+        if is_pipeline(names):  # Megatron-DeepSpeed's layer files: canonical names already
+            return read_pipeline(self, store, tag, names)
         zero3 = {int(m.group(1)): join(n) for n in names if (m := _ZERO_STATES.match(n))}
         optim = {int(m.group(2)): join(n) for n in names if (m := _OPTIM.match(n))}
         mp_ranks = {m.group(m.re.groups) for n in names
@@ -471,6 +475,10 @@ class DeepSpeedWriter(Writer):
         return target
 
     def target_spec(self, index, source, target, true_vocab_size):
+        if PIPELINE_KEY in index.objects:
+            raise UsageError("writing DeepSpeed pipeline checkpoints (layer files) is not "
+                             "supported yet", path=index.url,
+                             hint="Convert to megatron, megatron-dist, hf or dcp")
         if LAYOUT_KEY not in index.objects:
             raise UsageError(f"DeepSpeed output is written only from a DeepSpeed ZeRO checkpoint, "
                              f"not from {index.format}", path=index.url)

@@ -29,11 +29,11 @@ import torch
 from ckptool.core import VERSION
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
-from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, TensorInfo, Writer
+from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
 from ckptool.core.layout import ModelSpec, layout, stage_layers
 from ckptool.core.regions import Shard
 from ckptool.core.torchreader import TorchFileReader, save_target
-from ckptool.core.torchfile import Pending, TensorRef
+from ckptool.core.torchfile import Pending
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from converters import megatron_distopt as distopt
@@ -41,6 +41,8 @@ from converters import megatron_optimizer as optim
 from converters.megatron_common import (ITER_DIR, SCHEMAS, TRACKER, detect_schema, iteration_dir,
                                         parameter_order, params_by_key, source_dtype, spec_from_args, to_canonical,
                                         tracked_dir, update_args, UnevenStages)
+from converters.megatron_ranks import add_piece as _add_piece
+from converters.megatron_ranks import check_legacy_schema as _check_schema
 
 EXTRA = "_extra_state"
 SCHEMA_KEY = "megatron.schema"
@@ -281,49 +283,6 @@ def _resolve(obj: Any, path: tuple) -> Any:
 def _steps(state: dict) -> list:
     """The step of each param group of a distributed optimizer's state dict."""
     return [g.get("step") for g in state["optimizer"]["param_groups"]]
-
-
-def _add_piece(index, params, canonical, replica, f, path, value, padded, topo, store, key=None,
-               file=None, base=None):
-    """Record ``value`` (at ``path`` in ``file``, default the rank file) as the TP shard of
-    ``canonical`` this rank holds; with ``base``, the shard is the flat slice of ``value``
-    that starts there (distributed optimizer vectors)."""
-    from ckptool.core.layout import split
-
-    file = file or f.rel
-    param = params.get(canonical) if canonical else None
-    if param is None:
-        raise BadCheckpoint(f"tensor {path[-1]!r} does not fit the model described by args",
-                            path=store.display(file), key=canonical)
-    if not isinstance(value, TensorRef):
-        raise BadCheckpoint("expected a tensor", path=store.display(file), key=str(path[-1]))
-    shard = split(param, f.tp, topo.tp, padded)
-    if base is None and tuple(value.shape) != shard.shape:
-        raise BadCheckpoint(f"local tensor is {list(value.shape)}, the layout from args says "
-                            f"{list(shard.shape)}", path=store.display(file), key=str(path[-1]))
-    if base is not None and base + math.prod(shard.shape) > value.numel:
-        raise BadCheckpoint(f"the slice of {canonical} ends past the stored vector",
-                            path=store.display(file), key=str(path[-1]))
-    key = key or canonical
-    info = index.tensors.get(key)
-    if info is None:
-        info = index.tensors[key] = TensorInfo(key, param.shape, value.dtype)
-    copies = info.replicas if replica or (param.rule == "replicated" and f.tp > 0) else info.pieces
-    for offset, region in shard.parts:
-        if key != canonical:
-            region = replace(region, key=key)
-        copies.append(Piece(region, Location(file, detail=(path, (base or 0) + offset))))
-
-
-def _check_schema(schema: str, spec: ModelSpec, version, source: str) -> None:
-    if schema != "legacy":
-        return
-    if version is not None and float(version) < 2.0:
-        raise UnreadableInput(f"checkpoint_version {version} stores QKV in an order ckptool does not "
-                              "read yet (only >= 2.0)", path=source)
-    if spec.groups != spec.num_attention_heads:
-        raise UnreadableInput("grouped-query attention under pre-mcore names is not supported yet",
-                              path=source)
 
 
 def _global_module(local_module: str, layers: range) -> str:

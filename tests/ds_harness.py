@@ -174,20 +174,9 @@ def _init(rank: int, world: int, port: int) -> None:
 
 
 def _spawn(fn, nprocs: int, *args) -> None:
-    """Run the workers; retry when one dies by a signal (gloo workers sometimes abort at
-    exit with "terminate called without an active exception"). Raising is never retried."""
-    import torch.multiprocessing as mp
+    from tests.conftest import free_port, spawn
 
-    from tests.conftest import free_port
-
-    for attempt in range(3):
-        try:
-            mp.spawn(fn, args=(nprocs, *args, free_port()), nprocs=nprocs, join=True)
-            return
-        except mp.ProcessExitedException as exc:
-            if exc.signal_name is None or attempt == 2:
-                raise
-            warnings.warn(f"DeepSpeed harness worker died by {exc.signal_name}; retrying")
+    spawn(fn, nprocs, (nprocs, *args, free_port()), "DeepSpeed harness")
 
 
 def save(root: Path, stages=(1, 2, 3), dp: int = 2, precision: str = "fp32") -> None:
@@ -228,26 +217,27 @@ def hf_tokens(vocab: int, step: int) -> torch.Tensor:
     return torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g)
 
 
-def _hf_save_worker(rank: int, dp: int, root: str, jobs: list[tuple[str, int]], port: int) -> None:
-    """An HF model trained by DeepSpeed per ``(family, stage)``, saved as the HF Trainer lays
-    it out (``config.json`` beside ``latest``), with the module's logits on a fixed batch."""
+def _hf_save_worker(rank: int, dp: int, root: str, jobs: list[tuple[str, int, str]], port: int) -> None:
+    """An HF model trained by DeepSpeed per ``(family, stage, precision)``, saved as the HF
+    Trainer lays it out (``config.json`` beside ``latest``), with the module's logits on a
+    fixed batch."""
     import deepspeed
 
     _init(rank, dp, port)
-    for family, stage in jobs:
+    for family, stage, precision in jobs:
         model = hf_model(family)
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.01},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
-                                            config=config(stage, dp))
+                                            config=config(stage, dp, precision))
         vocab = model.config.vocab_size
         share = GLOBAL_BATCH // dp
         for s in range(STEPS):
             tok = hf_tokens(vocab, s)[rank * share:(rank + 1) * share]
             eng.backward(eng(input_ids=tok, labels=tok).loss)
             eng.step()
-        out = f"{root}/{family}_z{stage}"
+        out = f"{root}/{hf_run_name(family, stage, precision)}"
         eng.save_checkpoint(out)
         eng.eval()
         with torch.no_grad():
@@ -257,7 +247,206 @@ def _hf_save_worker(rank: int, dp: int, root: str, jobs: list[tuple[str, int]], 
             torch.save(logits, f"{out}.logits.pt")
 
 
-def save_hf(root: Path, jobs: list[tuple[str, int]], dp: int = 2) -> None:
-    """``root/{family}_z{stage}`` per job: HF-Trainer-style DeepSpeed run roots, and beside
-    each ``.logits.pt`` (the trained module's logits on ``hf_tokens(vocab, NEXT_STEP)``)."""
+def hf_run_name(family: str, stage: int, precision: str = "fp32") -> str:
+    return f"{family}_z{stage}" + ("" if precision == "fp32" else f"_{precision}")
+
+
+def save_hf(root: Path, jobs: list[tuple[str, int, str]], dp: int = 2) -> None:
+    """``root/<hf_run_name>`` per ``(family, stage, precision)``: HF-Trainer-style DeepSpeed
+    run roots, and beside each ``.logits.pt`` (the trained module's logits on
+    ``hf_tokens(vocab, NEXT_STEP)``)."""
     _spawn(_hf_save_worker, dp, str(root), list(jobs))
+
+
+# ------------------------------- Megatron-DeepSpeed pipeline checkpoints (GPTModelPipe-shaped)
+
+PIPE_ARGS = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                 kv_channels=8, max_position_embeddings=8, seq_length=SEQ, padded_vocab_size=208,
+                 make_vocab_size_divisible_by=8, layernorm_epsilon=1e-5, normalization="layernorm",
+                 openai_gelu=True, untie_embeddings_and_output_weights=False, add_bias_linear=True,
+                 add_position_embedding=True, use_rotary_position_embeddings=False,
+                 num_key_value_heads=4, swiglu=False, fp16=False, bf16=False)
+"""Megatron-DeepSpeed's own argument names and spellings (``normalization="layernorm"``,
+``num_key_value_heads``, ``add_position_embedding``); GPT-2 math: LayerNorm, tanh GELU
+(``--openai-gelu``, HF ``gelu_new``), learned positions, tied embeddings, biases."""
+PIPE_MICRO, PIPE_GAS = 2, 2
+
+
+class _Embedding(nn.Module):
+    """Megatron-DeepSpeed's EmbeddingPipe: word + learned position embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        a = PIPE_ARGS
+        self.word_embeddings = nn.Embedding(a["padded_vocab_size"], a["hidden_size"])
+        self.position_embeddings = nn.Embedding(a["max_position_embeddings"], a["hidden_size"])
+
+    @property
+    def word_embeddings_weight(self):
+        return self.word_embeddings.weight
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        return self.word_embeddings(ids) + self.position_embeddings(pos)[None]
+
+
+class _Attention(nn.Module):
+    """Legacy ParallelAttention (checkpoint_version 3.0): ``query_key_value`` rows are
+    grouped per head, ``[q_h; k_h; v_h]``."""
+
+    def __init__(self):
+        super().__init__()
+        h = PIPE_ARGS["hidden_size"]
+        self.query_key_value = nn.Linear(h, 3 * h)
+        self.dense = nn.Linear(h, h)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        nh = PIPE_ARGS["num_attention_heads"]
+        d = h // nh
+        q, k, v = self.query_key_value(x).view(b, s, nh, 3 * d).split(d, dim=-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / d ** 0.5
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+        return self.dense((probs @ v).transpose(1, 2).reshape(b, s, h))
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        h, f = PIPE_ARGS["hidden_size"], PIPE_ARGS["ffn_hidden_size"]
+        self.dense_h_to_4h = nn.Linear(h, f)
+        self.dense_4h_to_h = nn.Linear(f, h)
+
+    def forward(self, x):
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
+
+
+class ParallelTransformerLayerPipe(nn.Module):
+    """A pre-LN GPT layer under Megatron-DeepSpeed's legacy local names."""
+
+    def __init__(self):
+        super().__init__()
+        h, eps = PIPE_ARGS["hidden_size"], PIPE_ARGS["layernorm_epsilon"]
+        self.input_layernorm = nn.LayerNorm(h, eps=eps)
+        self.self_attention = _Attention()
+        self.post_attention_layernorm = nn.LayerNorm(h, eps=eps)
+        self.mlp = _MLP()
+
+    def forward(self, x):
+        x = x + self.self_attention(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _to_float16(inputs):
+    return inputs  # fp32 run: GPTModelPipe's first spec is this function (layer index 0)
+
+
+def _logits_helper(embedding, hidden):
+    return hidden @ embedding.word_embeddings_weight.t()
+
+
+def _cross_entropy(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+
+def pipe_specs() -> list:
+    """GPTModelPipe's spec list, so the layer indices are Megatron-DeepSpeed's: 0 the fp16
+    cast (a function), 1 the embedding (tied 'embed'), 2.. the transformer layers, then the
+    final LayerNorm, then the tied head (a forward_fn of 'embed': no layer file)."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    a = PIPE_ARGS
+    return [_to_float16,
+            TiedLayerSpec("embed", _Embedding, tied_weight_attr="word_embeddings_weight"),
+            *[LayerSpec(ParallelTransformerLayerPipe) for _ in range(a["num_layers"])],
+            LayerSpec(nn.LayerNorm, a["hidden_size"], eps=a["layernorm_epsilon"]),
+            TiedLayerSpec("embed", _Embedding, forward_fn=_logits_helper,
+                          tied_weight_attr="word_embeddings_weight")]
+
+
+def pipe_tokens(step: int, batch: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 203, (batch, SEQ + 1), generator=g)
+
+
+def pipe_reference_logits(layers: dict, tokens: torch.Tensor) -> torch.Tensor:
+    """The pipeline model's forward in one process: the spec's modules in order, each with
+    the state a stage held in memory (``layers``: spec index -> state dict; the head uses
+    the last stage's own tied copy of the embedding)."""
+    out = tokens
+    for idx, spec in enumerate(pipe_specs()):
+        if idx not in layers:
+            out = spec(out)
+            continue
+        module = spec.build()
+        module.load_state_dict(layers[idx])
+        out = spec.forward_fn(module, out) if getattr(spec, "forward_fn", None) else module(out)
+    return out
+
+
+def _pipe_save_worker(rank: int, world: int, root: str, pp: int, port: int) -> None:
+    _init(rank, world, port)
+    for name, stage, precision in PIPE_RUNS:
+        _pipe_run(rank, world, root, pp, name, stage, precision)
+
+
+PIPE_RUNS = (("pipe", 1, "fp32"), ("pipe_bf16", 0, "bf16"))
+"""(name, ZeRO stage, precision): fp32 at ZeRO-1, and bf16 at stage 0, which DeepSpeed runs
+with its BF16_Optimizer for pipelines (``bf16_zero_pp_rank_*`` files), as Megatron-DeepSpeed's
+bf16 runs do."""
+
+
+def _pipe_run(rank: int, world: int, root: str, pp: int, name: str, stage: int, precision: str) -> None:
+    import argparse
+    import random
+
+    import deepspeed
+    import numpy as np
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    dp = world // pp
+    torch.manual_seed(0)
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=1, num_dp=dp)
+    model = PipelineModule(layers=pipe_specs(), loss_fn=_cross_entropy, topology=topo,
+                           partition_method="type:transformer")
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.01},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    cfg = config(stage, dp, precision)
+    cfg.update(train_batch_size=PIPE_MICRO * PIPE_GAS * dp, train_micro_batch_size_per_gpu=PIPE_MICRO,
+               gradient_accumulation_steps=PIPE_GAS)
+    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    for step in range(STEPS):
+        tokens = pipe_tokens(step, PIPE_MICRO * PIPE_GAS)
+        batches = iter([(t[:, :-1], t[:, 1:]) for t in tokens.split(PIPE_MICRO)])
+        eng.train_batch(batches)
+    args = argparse.Namespace(**PIPE_ARGS, tensor_model_parallel_size=1,
+                              pipeline_model_parallel_size=pp, world_size=world,
+                              data_parallel_size=dp, iteration=STEPS)
+    args.bf16 = precision == "bf16"
+    rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}]
+    eng.save_checkpoint(f"{root}/{name}", client_state={"args": args, "checkpoint_version": 3.0,
+                                                        "iteration": STEPS, "tokens": 0,
+                                                        "rng_state": rng})
+    if rank == 0:
+        (Path(root) / name / "latest_checkpointed_iteration.txt").write_text(str(STEPS))
+    module = eng.module
+    layers = {module._local_start + i: f.state_dict() for i, f in enumerate(module.forward_funcs)
+              if isinstance(f, nn.Module)}
+    if eng.is_last_stage():  # the head: this stage's own copy of the tied embedding
+        layers[len(pipe_specs()) - 1] = module.tied_modules["embed"].state_dict()
+    truth = {"layers": {k: {n: t.detach().clone() for n, t in v.items()} for k, v in layers.items()},
+             "state": full_state(eng)}
+    torch.save(truth, f"{root}/{name}.rank{rank}.truth.pt")
+
+
+def save_pipe(root: Path, pp: int = 2, dp: int = 1) -> None:
+    """``root/{name}`` per :data:`PIPE_RUNS`: Megatron-DeepSpeed-style pipeline run roots
+    (TP1), and beside each ``{name}.rank{r}.truth.pt`` per rank: the stage's layer modules'
+    state in memory (spec index -> state dict), its fp32 masters and Adam moments by
+    parameter name."""
+    _spawn(_pipe_save_worker, pp * dp, str(root), pp)

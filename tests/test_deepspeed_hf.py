@@ -31,7 +31,8 @@ STAGES = (1, 2, 3)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds_hf")
-    H.save_hf(root, [(f, s) for f in FAMILIES for s in STAGES])
+    H.save_hf(root, [(f, s, "fp32") for f in FAMILIES for s in STAGES] +
+              [("llama", s, "bf16") for s in (2, 3)])
     return root
 
 
@@ -61,6 +62,30 @@ def test_deepspeed_to_hf_loads_with_the_same_logits(runs, run_cli, tmp_path, fam
     ours = model.state_dict()
     for name, value in theirs.items():
         assert torch.equal(ours[name], value), name
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_bf16_run_gives_its_fp32_masters_or_its_bf16_weights(runs, run_cli, tmp_path, stage):
+    """A bf16 run: `--dtype fp32` gives the fp32 masters (bit-equal to zero_to_fp32). The
+    default is the stored weights' dtype: bf16 at ZeRO-2 (the masters rounded, the module's own
+    weights); fp32 at ZeRO-3, whose fp32 partitions are the only stored copy."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    src = runs / H.hf_run_name("llama", stage, "bf16")
+    assert run_cli("convert", src, tmp_path / "fp32", "--to", "hf", "--dtype", "fp32").code == 0
+    assert run_cli("convert", src, tmp_path / "bf16", "--to", "hf").code == 0
+    masters = get_fp32_state_dict_from_zero_checkpoint(str(src))
+    fp32 = load_file(tmp_path / "fp32" / "model.safetensors")
+    bf16 = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert masters.keys() == fp32.keys() == bf16.keys()
+    default = torch.bfloat16 if stage < 3 else torch.float32
+    for name, value in masters.items():
+        assert torch.equal(fp32[name], value), name
+        assert bf16[name].dtype == default and torch.equal(bf16[name], value.to(default)), name
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == str(default).split(".")[1]
+    _load_hf(tmp_path / "bf16")
 
 
 def test_deepspeed_to_megatron_and_back_is_exact(runs, run_cli, tmp_path):
