@@ -67,3 +67,18 @@ def test_store_without_rename_uses_the_manifest_as_commit_marker(run_cli):
     res = run_cli("latest", "memory://runs/r1")
     assert res.code == 0 and res.out.strip().endswith("step_000005")
     assert "step_000009: not committed" in res.err
+
+
+def test_a_box_read_into_another_dtype_is_converted(tmp_path):
+    """Loading fp32 masters into a bf16 parameter (a ZeRO-3 bf16 engine through the hook):
+    the bytes are converted, not copied raw into the smaller dtype."""
+    from ckptool.core.torchfile import TorchFile
+
+    value = torch.linspace(-3, 3, 40).reshape(5, 8)
+    torch.save({"w": value}, tmp_path / "f.pt")
+    store = Store.open(str(tmp_path))
+    reader = store.range_reader("f.pt")
+    archive = TorchFile(reader, reader.size, "f.pt")
+    out = torch.empty(12, dtype=torch.bfloat16)
+    archive.read_into(archive.obj["w"], 9, out)
+    assert torch.equal(out, value.reshape(-1)[9:21].bfloat16())

@@ -257,7 +257,14 @@ class TorchFile:
             raise BadCheckpoint(f"damaged pickle in torch.save archive ({exc})", path=source) from None
 
     def read_into(self, ref: TensorRef, start: int, out: torch.Tensor) -> None:
-        """Fill the contiguous 1-D ``out`` with elements from flat element ``start``."""
+        """Fill the contiguous 1-D ``out`` with elements from flat element ``start``,
+        converted to ``out``'s dtype when it is not the stored one (a bf16 parameter loaded
+        from fp32 masters)."""
+        if out.dtype != ref.dtype:
+            staged = torch.empty(out.shape, dtype=ref.dtype)
+            self.read_into(ref, start, staged)
+            out.copy_(staged)
+            return
         if not ref.contiguous:
             raise BadCheckpoint("non-contiguous stored tensor", path=self.source)
         base = self._offsets.get(ref.storage.key)
