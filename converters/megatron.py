@@ -48,8 +48,8 @@ EXTRA = "_extra_state"
 SCHEMA_KEY = "megatron.schema"
 OPTIMIZER_KEY = "megatron.optimizer"
 """Why the source's optimizer state cannot be carried (absent when it can, or there is none)."""
-OPTIMIZER_LAYOUT_KEY = "megatron.optimizer.layout"
-DISTOPT_KEY = "megatron.optimizer.distributed"
+OPTIMIZER_LAYOUT_KEY = optim.LAYOUT_KEY
+DISTOPT_KEY = optim.DISTRIBUTED_KEY
 """The distributed optimizer's non-tensor state (:class:`megatron_distopt.Meta`)."""
 MODEL_PATH = "@model"
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
@@ -407,11 +407,10 @@ class MegatronWriter(UnevenStages, Writer):
             if optim_layout is not None:
                 for chunk, _, name, t in named:
                     chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
-                    for kind in optim.KINDS[:3 if optim_layout.value.fp16 else 2]:
-                        shard = Shard(t.shard.shape, tuple(
-                            (off, replace(r, key=optim.state_key(kind, r.key))) for off, r in t.shard.parts))
+                    for kind in optim.state_kinds(optim_layout.value):
                         key = optim.state_key(kind, _key(t))
-                        target.tensors.append(TargetTensor((OPTIM_PATH, kind, chunk_key, name), shard,
+                        target.tensors.append(TargetTensor((OPTIM_PATH, kind, chunk_key, name),
+                                                           optim.state_shard(kind, t.shard),
                                                            source_dtype(index, key)))
             files.append(target)
         return files

@@ -33,7 +33,7 @@ KINDS = ("exp_avg", "exp_avg_sq", "fp32_param")
 PREFIX = "optimizer.state."
 LAYOUT_KEY = "megatron.optimizer.layout"
 """Canonical object of both Megatron formats: the optimizer's non-tensor state, a
-:class:`Layout` without tensors (``converters.megatron.OPTIMIZER_LAYOUT_KEY`` is this name)."""
+:class:`Layout` without tensors."""
 DISTRIBUTED_KEY = "megatron.optimizer.distributed"
 """The legacy reader's object for a distributed optimizer (``distrib_optim.pt``)."""
 COMMON_STEP = "common_step"
