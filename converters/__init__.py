@@ -29,6 +29,7 @@ WRITERS = {
     "dcp": "converters.dcp:DcpWriter",
     "hf": "converters.hf:HfWriter",
     "deepspeed": "converters.deepspeed:DeepSpeedWriter",
+    "deepspeed-universal": "converters.deepspeed_universal:UniversalWriter",
 }
 
 # More specific layouts first: a DeepSpeed universal checkpoint also has model-state files,
@@ -85,9 +86,3 @@ def require_format(store: Store) -> str:
             f"not a checkpoint ckptool knows: found {found}", path=store.url,
             hint=f"Expected one of {', '.join(FORMATS)} (see `ckptool --help`)")
     return fmt
-
-
-def not_yet(fmt: str, issue: int):
-    """Raise the honest error for a detected format whose reader is still to be written."""
-    raise UnsupportedFormat(f"reading {fmt} checkpoints is not implemented yet (issue #{issue})",
-                            hint="Convert it with the framework's own tools for now")

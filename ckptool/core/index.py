@@ -148,6 +148,9 @@ class Writer:
     name: str = ""
     holds_optimizer: bool = True
     """False for weights-only formats (hf): optimizer state is then left out, and said so."""
+    canonical_source: bool = True
+    """The source is read under canonical names (``Reader.canonical``) when it is another
+    format; False for a writer of the source's own names (DeepSpeed universal: the module's)."""
 
     def configure(self, **options) -> None:
         """Format options (e.g. hf's ``max_shard_size``); a writer takes only its own."""

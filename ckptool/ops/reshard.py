@@ -107,7 +107,8 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
     """The one path for reshard and convert: plan the target files, fill them region by
     region from the source, commit atomically."""
     started = time.perf_counter()
-    if fmt != opened.format:
+    writer = converters.writer(fmt)
+    if fmt != opened.format and writer.canonical_source:
         opened = opened.canonical()
     index = opened.index
     source_topo = index.topology
@@ -122,7 +123,6 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
     changes = dict(to)
     if "pp" in changes and "vpp" not in changes and changes["pp"] != source_topo.pp:
         changes["vpp"] = 1
-    writer = converters.writer(fmt)
     writer.configure(**(options or {}))
     target_topo = writer.target_topology(source_topo, changes)
     uncarried = writer.unsupported_state(index)
