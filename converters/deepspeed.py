@@ -48,7 +48,7 @@ from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending, TensorRef
 from ckptool.core.torchreader import TorchFileReader, save_target
-from converters.deepspeed_pipe import PIPELINE_KEY, is_pipeline, read_pipeline
+from converters.deepspeed_pipe import PIPELINE_KEY, PipelineWriter, is_pipeline, read_pipeline
 from converters.megatron_optimizer import state_key
 
 NAME = "deepspeed"
@@ -453,12 +453,18 @@ class DeepSpeedWriter(Writer):
     a new DP size, and between stages 1 and 2 (their files have the same shape) or from 3 to
     1 or 2. Every rank's partitions are laid out by the rules above; the non-tensor entries
     are the source's, with ``dp_world_size``, the stage and the partition bookkeeping
-    rewritten. Stage 1/2 to 3 is refused: ZeRO-3 files have no place for model-dtype weights."""
+    rewritten. Stage 1/2 to 3 is refused: ZeRO-3 files have no place for model-dtype weights.
+    A pipeline source (layer files) is written by :class:`~converters.deepspeed_pipe.PipelineWriter`
+    at any TP/PP/DP; the topology is checked once the source's kind is known (``target_spec``)."""
 
     name = NAME
+    pipeline: PipelineWriter | None = None
+    """Set for a pipeline source: it writes the output (:mod:`converters.deepspeed_pipe`)."""
 
     def target_topology(self, source: Topology, changes: dict) -> Topology:
-        target = replace(source, **changes)
+        return replace(source, **changes)  # checked by target_spec, which sees the source's kind
+
+    def _check_topology(self, source: Topology, target: Topology) -> None:
         for axis in ("tp", "pp", "ep", "vpp"):
             if getattr(target, axis) != 1:
                 raise TopologyError(f"DeepSpeed output with {axis.upper()}{getattr(target, axis)} is "
@@ -472,13 +478,12 @@ class DeepSpeedWriter(Writer):
             raise TopologyError(f"changing ZeRO-{source.zero} to ZeRO-3 is not supported yet: "
                                 "ZeRO-3 files keep no model-dtype weights, only the fp32 masters",
                                 hint="Stages 1 and 2 convert into each other, and ZeRO-3 into both")
-        return target
 
     def target_spec(self, index, source, target, true_vocab_size):
         if PIPELINE_KEY in index.objects:
-            raise UsageError("writing DeepSpeed pipeline checkpoints (layer files) is not "
-                             "supported yet", path=index.url,
-                             hint="Convert to megatron, megatron-dist, hf or dcp")
+            self.pipeline = PipelineWriter()
+            return self.pipeline.target_spec(index, source, target, true_vocab_size)
+        self._check_topology(source, target)
         if LAYOUT_KEY not in index.objects:
             raise UsageError(f"DeepSpeed output is written only from a DeepSpeed ZeRO checkpoint, "
                              f"not from {index.format}", path=index.url)
@@ -492,6 +497,8 @@ class DeepSpeedWriter(Writer):
 
     def plan(self, index: CheckpointIndex, topo: Topology, spec, schema: str,
              with_optimizer: bool = True) -> list[TargetFile]:
+        if self.pipeline is not None:
+            return self.pipeline.plan(index, topo, with_optimizer)
         if not with_optimizer:
             raise UsageError("DeepSpeed ZeRO checkpoints keep the fp32 weights in the optimizer "
                              "files, so --drop-optimizer cannot apply", path=index.url,
@@ -545,6 +552,8 @@ class DeepSpeedWriter(Writer):
 
     def write_file(self, store: Store, target: TargetFile, produce, index: CheckpointIndex,
                    true_vocab_size: int | None) -> tuple[int, str]:
+        if self.pipeline is not None:
+            return self.pipeline.write_file(store, target, produce, index, true_vocab_size)
         layout: Layout = index.objects[LAYOUT_KEY].value
         ctx = target.context
         pending = {t.name: Pending(t.name, t.shard.shape, t.dtype) for t in target.tensors}
@@ -553,6 +562,8 @@ class DeepSpeedWriter(Writer):
         return save_target(store, target, tree, produce)
 
     def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
+        if self.pipeline is not None:
+            return self.pipeline.finalize(store, index)
         store.write_bytes(LATEST, index.objects[LAYOUT_KEY].value.tag.encode())
         return [LATEST]
 

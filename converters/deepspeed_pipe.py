@@ -1,4 +1,5 @@
-"""DeepSpeed pipeline checkpoints as Megatron-DeepSpeed writes them (``GPTModelPipe``), read.
+"""DeepSpeed pipeline checkpoints as Megatron-DeepSpeed writes them (``GPTModelPipe``), read
+and written at another TP, PP and DP (:class:`PipelineWriter`).
 
 A ``PipelineModule`` is a list of layer specs; DeepSpeed numbers them from 0 over the whole
 model and each stage builds a contiguous run of them. ``save_checkpoint`` then writes, in
@@ -44,9 +45,10 @@ from __future__ import annotations
 import argparse
 import copy
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from ckptool.core.errors import BadCheckpoint, UnreadableInput
+from ckptool.core.errors import BadCheckpoint, TopologyError, UnreadableInput, UsageError
 from ckptool.core.index import CheckpointIndex, ObjectInfo
 from ckptool.core.layout import WORD_EMBEDDINGS, split
 from ckptool.core.regions import Region
@@ -103,6 +105,33 @@ class PipeLayers:
             return self.embedding, m.group(1)
         m = _PARAM.match(name)
         return (int(m.group(1)), m.group(2)) if m else None
+
+
+@dataclass
+class PipeLayout:
+    """The source's structure beyond its tensors, for writing (:class:`PipelineWriter`)."""
+
+    layers: PipeLayers
+    tag: str
+    entries: dict[int, list[str]]
+    """Spec index -> the names in its layer file, in file (``state_dict``) order."""
+    groups: dict[int, list[list[tuple[str, tuple[int, ...]]]]] = field(default_factory=dict)
+    """Model-parallel rank -> its param groups in flat-buffer order (``param_shapes``)."""
+    model_states: dict = field(default_factory=dict)
+    """Model-parallel rank 0's model states without ``optimizer`` and ``rng_state``."""
+    model_optimizer: bool = False
+    """The model states hold the optimizer's state dict too (BF16_Optimizer at stage 0)."""
+    optim: Any = None
+    """The optimizer files' non-tensor entries (:class:`converters.deepspeed.Layout`)."""
+
+    @property
+    def tied_key(self) -> str:
+        """The tied module's key (``TiedLayerSpec('embed', ...)`` in GPTModelPipe)."""
+        for name in (n for groups in self.groups.values() for g in groups for n, _ in g):
+            m = re.match(r"^tied_modules\.([^.]+)\.", name)
+            if m:
+                return m.group(1)
+        return "embed"
 
 
 def megatron_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -178,7 +207,11 @@ def read_pipeline(reader, store, tag: str, names: list[str]) -> CheckpointIndex:
                             format_version=str(ms.get("ds_version") or "") or None,
                             written_by_ckptool="ckptool" in ms)
     index.objects["args"] = ObjectInfo("args", value=args)
-    index.objects[PIPELINE_KEY] = ObjectInfo(PIPELINE_KEY, value=layers)
+    record = PipeLayout(layers, tag or "global_step%d" % (index.iteration or 0), {},
+                        model_states={k: None if k in ("optimizer", "rng_state") else archive0.materialize(v)
+                                      for k, v in ms.items()},
+                        model_optimizer=ms.get("optimizer") is not None)
+    index.objects[PIPELINE_KEY] = ObjectInfo(PIPELINE_KEY, value=record)
     for key in _CARRIED:
         if key in ms:
             index.objects[key] = ObjectInfo(key, value=archive0.materialize(ms[key]))
@@ -191,6 +224,7 @@ def read_pipeline(reader, store, tag: str, names: list[str]) -> CheckpointIndex:
     padded = spec.padded_vocab(topo.tp)
     for (idx, tp_rank), rel in sorted(layer_files.items()):
         state = reader._load(store, rel).obj
+        record.entries.setdefault(idx, list(state))
         for local, ref in state.items():
             legacy = layers.legacy_name(idx, local)
             canonical, replica = to_canonical("legacy", legacy, range(spec.num_layers),
@@ -205,9 +239,13 @@ def read_pipeline(reader, store, tag: str, names: list[str]) -> CheckpointIndex:
         try:
             for mp, rel in enumerate(mp_rels):
                 rels = _ranks({r: f for (r, m), f in optim.items() if m == mp}, dp, "optimizer", where)
-                _read_optimizer(reader, store, index, rel, rels, mp, layers, params, padded, topo, _add)
+                record.groups[mp] = _read_optimizer(reader, store, index, rel, rels, mp, layers, params,
+                                                    padded, topo, _add)
+                if mp == 0:
+                    record.optim = _optim_layout(reader, store, rels[0], record, stage)
         except UnreadableInput as exc:  # the weights stay readable; nothing half-mapped
             index.unmapped = exc.message
+            record.groups, record.optim = {}, None
             for key in [k for k in index.tensors if k.startswith("optimizer.")]:
                 del index.tensors[key]
     for key, info in index.tensors.items():
@@ -239,10 +277,10 @@ def _pipe_layers(layer_files: dict, spec, topo, where: str) -> PipeLayers:
 
 
 def _read_optimizer(reader, store, index, ms_rel, rels, mp, layers: PipeLayers, params, padded,
-                    topo, add) -> None:
+                    topo, add) -> list:
     """ZeRO-1: every DP rank's partition of model-parallel rank ``mp``'s param groups. Each
     parameter's flat range of the partition is cut into the canonical regions its TP shard
-    holds (the same rule as its weight)."""
+    holds (the same rule as its weight). Returns the param groups (names, TP shard shapes)."""
     from converters.deepspeed import zero_partition
 
     tp_rank, pp_rank = mp % topo.tp, mp // topo.tp
@@ -286,14 +324,51 @@ def _read_optimizer(reader, store, index, ms_rel, rels, mp, layers: PipeLayers, 
                     if placed is None:
                         continue  # the last stage's dead copy of a tied module's other weights
                     canonical, replica, parts = placed
-                    a, b = region.flat
-                    for local_offset, box in parts:
-                        lo, hi = max(a, local_offset), min(b, local_offset + box.numel)
-                        if lo < hi:
-                            key = state_key(kind, canonical)
-                            add(index, key, ref, Region(key, box.global_shape, box.offsets, box.lengths,
-                                                        (lo - local_offset, hi - local_offset)),
-                                rel, ("optimizer_state_dict", *path), offset + lo - a, replica=replica)
+                    for at, piece in flat_regions(parts, *region.flat, state_key(kind, canonical)):
+                        add(index, piece.key, ref, piece, rel, ("optimizer_state_dict", *path),
+                            offset + at, replica=replica)
+    return groups
+
+
+def flat_regions(parts, start: int, stop: int, key: str) -> list[tuple[int, Region]]:
+    """Elements ``[start, stop)`` of a TP shard whose ``parts`` are ``(local offset, box
+    region)`` (:func:`~ckptool.core.layout.split`), as canonical regions of ``key`` with a
+    flat range, each with its offset from ``start``: how a ZeRO partition's slice of a
+    parameter maps to the global tensor, read and written by the same rule."""
+    out = []
+    for local_offset, box in parts:
+        lo, hi = max(start, local_offset), min(stop, local_offset + box.numel)
+        if lo < hi:
+            out.append((lo - start, Region(key, box.global_shape, box.offsets, box.lengths,
+                                           (lo - local_offset, hi - local_offset))))
+    return out
+
+
+def _optim_layout(reader, store, rel: str, record: PipeLayout, stage: int):
+    """The non-tensor entries of model-parallel rank 0's first optimizer file, as the plain
+    DeepSpeed writer carries them (:class:`converters.deepspeed.Layout`)."""
+    from converters.deepspeed import _PER_RANK, Layout
+
+    archive = reader._load(store, rel)
+    osd = archive.obj.get("optimizer_state_dict") or {}
+    base = osd.get("base_optimizer_state") or {}
+    groups = record.groups[0]
+    if sorted(base.get("state") or {}) != list(range(len(groups))) or \
+            len(base.get("param_groups") or ()) != len(groups):
+        raise UnreadableInput("the optimizer does not hold one state per param group",
+                              path=store.display(rel))
+    fragments = [v for g in osd.get("param_slice_mappings") or () for v in g.values()]
+    return Layout(
+        tag=record.tag, stage=stage, bf16_files=rel.rsplit("/", 1)[-1].startswith("bf16_"),
+        bf16_optimizer="zero_stage" not in osd, groups=groups, frozen=[], shared={}, module=[],
+        model_states=record.model_states,
+        optim_file={k: None if k == "optimizer_state_dict" else archive.materialize(v)
+                    for k, v in archive.obj.items()},
+        osd={k: archive.materialize(v) for k, v in osd.items() if k not in _PER_RANK},
+        hyper=[archive.materialize({k: v for k, v in g.items() if k != "params"})
+               for g in base["param_groups"]],
+        steps=[archive.materialize(base["state"][g].get("step")) for g in range(len(groups))],
+        fragment_type=type(fragments[0]) if fragments else None)
 
 
 def _groups_from_mappings(reader, store, rels, layers, pp_rank, tp_rank, params, padded, topo,
@@ -350,10 +425,331 @@ def _place(name, shape, layers: PipeLayers, pp_rank, tp_rank, params, padded, to
     return canonical, replica, tshard.parts
 
 
+# ----------------------------------------------------------------------- the stage rule
+
+
+def partition_uniform(items: int, parts: int) -> list[int]:
+    """DeepSpeed's ``partition_uniform`` (``deepspeed/runtime/utils.py``): ``parts + 1``
+    bounds; the first ``items % parts`` parts get one item more."""
+    if items <= parts:
+        return [min(p, items) for p in range(parts + 1)]
+    size, rest = divmod(items, parts)
+    return [p * size + min(p, rest) for p in range(parts + 1)]
+
+
+def partition_balanced(weights: list[int], parts: int) -> list[int]:
+    """DeepSpeed's ``partition_balanced``: the linear partition that minimizes the spread
+    (max - min) of the parts' weights, by its dynamic program and its tie-break (the last
+    split point of equal cost wins)."""
+    n, m = len(weights), parts
+    if n <= m:
+        return partition_uniform(n, m)
+    inf = float("inf")
+    high = [[inf] * (m + 1) for _ in range(n + 1)]
+    low = [[inf] * (m + 1) for _ in range(n + 1)]
+    cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    position = [[0] * (m + 1) for _ in range(n + 1)]
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    high[0][0] = cost[0][0] = 0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                hi, lo = max(high[k][j - 1], part), min(low[k][j - 1], part)
+                if cost[i][j] >= hi - lo:
+                    cost[i][j], high[i][j], low[i][j], position[i][j] = hi - lo, hi, lo, k
+    bounds = [n]
+    for j in range(m, 0, -1):
+        bounds.append(position[bounds[-1]][j])
+    return bounds[::-1]
+
+
+def stage_bounds(layers: PipeLayers, pp: int) -> list[int]:
+    """Which specs each of ``pp`` stages builds (stage p: ``[b[p], b[p+1])``), as
+    ``PipelineModule(partition_method='type:transformer')`` assigns them for GPTModelPipe
+    (Megatron-DeepSpeed's choice): every spec whose class name matches ``transformer``
+    weighs 1, the others 0, and :func:`partition_balanced` splits the weights. Specs past
+    the head (a trailing fp32 cast) only lengthen the last stage, so they are not counted."""
+    weights = [int(layers.embedding < i < layers.final_norm) for i in range(layers.final_norm + 2)]
+    return partition_balanced(weights, pp)
+
+
+# ------------------------------------------------------------------------ writing
+
+
+class PipelineWriter:
+    """Writes a Megatron-DeepSpeed pipeline checkpoint (``<tag>/`` of layer files, model
+    states per model-parallel rank and ZeRO-1 / BF16_Optimizer files per (DP, MP) rank) at
+    a new TP, PP and DP, driven by :class:`converters.deepspeed.DeepSpeedWriter`.
+
+    * Layer files do not depend on PP: each TP rank's file of spec ``idx`` holds the layout
+      rule's shard of each entry, under the source's names and in its order.
+    * Stage p builds the specs :func:`stage_bounds` gives it. Its parameters, in
+      ``PipelineModule.named_parameters()`` order (the tied module, registered before the
+      layers, then each spec's in state-dict order), go to the param group each parameter
+      was in at the source, and :func:`~converters.deepspeed.zero_partition` cuts every
+      group. Both rules are checked against the source's own stages before anything is
+      written.
+    * A stage that builds the tied head (PP > 1) holds DeepSpeed's copy of the whole tied
+      module: its word embeddings are the first stage's (a replica), and its dead
+      position-embedding copy, which no forward uses and no file keeps, is written as a
+      replica of the live one (weights and Adam state).
+    * The non-tensor entries are the source's (model-parallel rank 0's), with the
+      topology-dependent ones rewritten: ``param_shapes``, ``dp_world_size``,
+      ``mp_world_size``, ``checkpoint_parallel_dimensions``, Megatron ``args``, each rank's
+      RNG state (of the source rank ``(tp mod TP, pp mod PP)``: no exact RNG stream survives
+      a topology change) and the partition bookkeeping of the optimizer files.
+    """
+
+    def __init__(self):
+        self.spec = None
+        self._params: dict = {}
+        self.group_of: dict[str, int] = {}
+
+    def target_spec(self, index: CheckpointIndex, source: Topology, target: Topology,
+                    true_vocab_size: int | None):
+        """Refuse an impossible target (naming the rule) before anything is written."""
+        from ckptool.core.layout import check
+        from converters.megatron_common import target_spec
+
+        layout: PipeLayout = index.objects[PIPELINE_KEY].value
+        if layout.optim is None:
+            raise UsageError("DeepSpeed pipeline output needs the source's ZeRO-1 or BF16_Optimizer "
+                             "state, which it does not hold", path=index.url,
+                             hint="Convert to megatron, megatron-dist, hf or dcp")
+        for axis in ("ep", "vpp"):
+            if getattr(target, axis) != 1:
+                raise TopologyError(f"DeepSpeed pipeline output with {axis.upper()}"
+                                    f"{getattr(target, axis)} is not supported", path=index.url)
+        if target.zero != source.zero:
+            raise TopologyError(f"DeepSpeed runs pipelines at ZeRO-1 (or its BF16_Optimizer); the "
+                                f"stage stays {source.zero}", path=index.url, hint="Drop --to-zero")
+        self.spec = target_spec(index, source, target, true_vocab_size)
+        self._params = params_by_key(self.spec)
+        check(self.spec, Topology(tp=target.tp))  # TP rules; PP follows DeepSpeed's, not Megatron's
+        self.group_of = self._check_source(index, layout, source)
+        return None
+
+    def _check_source(self, index, layout: PipeLayout, source: Topology) -> dict[str, int]:
+        """Each canonical parameter's param group, after checking that the stage rule gives
+        the source's own stages and groups."""
+        group_of = {}
+        for mp, groups in layout.groups.items():
+            for g, group in enumerate(groups):
+                for name, _ in group:
+                    group_of[_canonical(name, layout.layers, self._params, index.url)[0]] = g
+        bounds = stage_bounds(layout.layers, source.pp)
+        for p in range(source.pp):
+            got = [[name for name, _ in group] for group in layout.groups[p * source.tp]]
+            want = self._groups(layout, bounds, p, group_of, len(got), index.url)
+            if got != want:
+                raise UsageError(f"stage {p}'s parameters are not those DeepSpeed's partition_method="
+                                 f"'type:transformer' gives it at PP{source.pp} (specs "
+                                 f"{bounds[p]}-{bounds[p + 1] - 1}), in named_parameters() order "
+                                 f"per param group", path=index.url,
+                                 hint="ckptool writes GPTModelPipe pipelines as Megatron-DeepSpeed "
+                                      "partitions them")
+        return group_of
+
+    def _groups(self, layout: PipeLayout, bounds, p: int, group_of, count: int, where) -> list:
+        """Stage ``p``'s param groups (parameter names in flat-buffer order)."""
+        names = stage_parameters(layout, bounds[p], bounds[p + 1])
+        groups = [[] for _ in range(count)]
+        for name in names:
+            canonical = _canonical(name, layout.layers, self._params, where)[0]
+            if canonical not in group_of:
+                raise UsageError(f"{name} is in no param group of the source", path=where)
+            groups[group_of[canonical]].append(name)
+        return groups
+
+    def plan(self, index: CheckpointIndex, topo: Topology, with_optimizer: bool) -> list:
+        from ckptool.core.engine import TargetFile, TargetTensor
+
+        if not with_optimizer:
+            raise UsageError("DeepSpeed ZeRO checkpoints keep the fp32 weights in the optimizer "
+                             "files, so --drop-optimizer cannot apply", path=index.url,
+                             hint="Convert to hf or dcp for the weights alone")
+        layout: PipeLayout = index.objects[PIPELINE_KEY].value
+        padded, params, tag = self.spec.padded_vocab(topo.tp), self._params, layout.tag
+        files = []
+        for idx, entries in sorted(layout.entries.items()):
+            for t in range(topo.tp):
+                target = TargetFile(f"{tag}/layer_{idx:02d}-model_{t:02d}-model_states.pt",
+                                    context={"kind": "layer"})
+                for local in entries:
+                    canonical = to_canonical("legacy", layout.layers.legacy_name(idx, local),
+                                             range(self.spec.num_layers), True)[0]
+                    target.tensors.append(TargetTensor(("layer", local), split(params[canonical], t, topo.tp,
+                                                                               padded), index.tensors[canonical].dtype))
+                files.append(target)
+        bounds = stage_bounds(layout.layers, topo.pp)
+        count = len(layout.optim.groups)
+        for p in range(topo.pp):
+            names = self._groups(layout, bounds, p, self.group_of, count, index.url)
+            empty = [g for g, group in enumerate(names) if not group]
+            if empty:
+                raise TopologyError(f"stage {p} of PP{topo.pp} would hold no parameter of param "
+                                    f"group {empty[0]} (DeepSpeed's partition_method="
+                                    f"'type:transformer' gives it specs {bounds[p]}-{bounds[p + 1] - 1})",
+                                    path=index.url, hint="Choose a smaller --to-pp")
+            for t in range(topo.tp):
+                mp = p * topo.tp + t
+                placed = {}
+                for name in (n for group in names for n in group):
+                    canonical, param = _canonical(name, layout.layers, params, index.url)[:2]
+                    placed[name] = canonical, split(param, t, topo.tp, padded)
+                groups = [[(n, placed[n][1].shape) for n in group] for group in names]
+                stage = replace(layout.optim, groups=groups)
+                ctx = {"kind": "model", "topo": topo, "tp": t, "pp": p, "stage": stage}
+                model = TargetFile(f"{tag}/{MP_FILE.format(mp)}", context=ctx)
+                if layout.model_optimizer:  # DP rank 0's optimizer state, as DeepSpeed keeps it there
+                    model.tensors, ctx["pads"] = _optim_tensors(stage, placed, topo.dp, 0, index, "model")
+                files.append(model)
+                prefix = "bf16_" if stage.bf16_files else ""
+                for rank in range(topo.dp):
+                    tensors, pads = _optim_tensors(stage, placed, topo.dp, rank, index)
+                    files.append(TargetFile(f"{tag}/{prefix}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt",
+                                            tensors, {"kind": "optim", "topo": topo, "rank": rank,
+                                                      "stage": stage, "pads": pads}))
+        return files
+
+    def write_file(self, store, target, produce, index: CheckpointIndex,
+                   true_vocab_size: int | None) -> tuple[int, str]:
+        from collections import OrderedDict
+
+        from ckptool.core.torchfile import Pending
+        from ckptool.core.torchreader import save_target
+
+        ctx = target.context
+        pending = {t.name: Pending(t.name, t.shard.shape, t.dtype) for t in target.tensors}
+        if ctx["kind"] == "layer":
+            tree = OrderedDict((name[1], value) for name, value in pending.items())
+        elif ctx["kind"] == "model":
+            tree = self._model_states(index, ctx, pending, true_vocab_size)
+        else:
+            tree = _optim_tree(ctx["stage"], ctx["topo"], ctx["rank"], ctx["pads"], pending)
+        return save_target(store, target, tree, produce)
+
+    def _model_states(self, index, ctx, pending, true_vocab_size) -> dict:
+        from collections import OrderedDict
+
+        import torch
+
+        from ckptool.core import VERSION
+        from converters.megatron_common import update_args
+
+        layout: PipeLayout = index.objects[PIPELINE_KEY].value
+        topo, stage = ctx["topo"], ctx["stage"]
+        tree = dict(layout.model_states)
+        if tree.get("param_shapes") is not None:  # BF16_Optimizer records none
+            tree["param_shapes"] = [OrderedDict((n, torch.Size(s)) for n, s in group)
+                                    for group in stage.groups]
+        tree["dp_world_size"], tree["mp_world_size"] = topo.dp, topo.tp * topo.pp
+        if isinstance(tree.get("checkpoint_parallel_dimensions"), dict):
+            tree["checkpoint_parallel_dimensions"] = {**tree["checkpoint_parallel_dimensions"],
+                                                      "pp_degree": topo.pp, "tp_degree": topo.tp}
+        if isinstance(tree.get("args"), argparse.Namespace):  # Megatron-DeepSpeed's own spellings
+            tree["args"] = update_args(tree["args"], self.spec, topo, true_vocab_size)
+        if "ds_config" in tree:
+            tree["ds_config"] = _pipe_config(stage, topo)
+        src = index.topology
+        rng = index.objects.get(f"rank.{ctx['tp'] % src.tp:02d}_{ctx['pp'] % src.pp:03d}.rng_state")
+        if rng is not None:
+            tree["rng_state"] = copy.deepcopy(rng.value)
+        else:
+            tree.pop("rng_state", None)
+        if layout.model_optimizer:
+            own = {name[1:]: value for name, value in pending.items()}  # ("model", g, kind)
+            tree["optimizer"] = _optim_tree(stage, topo, 0, ctx["pads"], own)["optimizer_state_dict"]
+        tree["ckptool"] = {"version": VERSION}
+        return tree
+
+    def finalize(self, store, index: CheckpointIndex) -> list[str]:
+        from converters.megatron_common import TRACKER
+
+        store.write_bytes("latest", index.objects[PIPELINE_KEY].value.tag.encode())
+        store.write_bytes(TRACKER, str(index.iteration or 0).encode())  # Megatron-DeepSpeed's tracker
+        return ["latest", TRACKER]
+
+
+def stage_parameters(layout: PipeLayout, lo: int, hi: int) -> list[str]:
+    """The parameter names of a stage that builds specs ``[lo, hi)``, in
+    ``PipelineModule.named_parameters()`` order: the tied module's (``tied_modules`` is
+    registered before the layers; built when the stage holds the embedding or the tied
+    head), then each spec's, by index, in its layer file's order."""
+    layers = layout.layers
+    tied = layers.head is None
+    names = []
+    if tied and (lo <= layers.embedding < hi or lo <= layers.final_norm + 1 < hi):
+        names += [f"tied_modules.{layout.tied_key}.{n}" for n in layout.entries[layers.embedding]]
+    for idx in range(lo, hi):
+        if idx in layout.entries and not (tied and idx == layers.embedding):
+            names += [f"{idx}.{n}" for n in layout.entries[idx]]
+    return names
+
+
+def _optim_tensors(stage, placed: dict, dp: int, rank: int, index, prefix: str | None = None):
+    """One DP rank's partition of every param group of a stage: the Adam moments and the
+    fp32 masters (``single_partition_of_fp32_groups`` drops the tail padding, except in
+    BF16_Optimizer files), each parameter's slice cut into canonical regions by
+    :func:`flat_regions`. Returns the tensors (named ``([prefix,] group, kind)``) and
+    each group's padding."""
+    import torch
+
+    from ckptool.core.engine import TargetTensor
+    from ckptool.core.regions import Shard
+    from converters.deepspeed import zero_partition
+
+    tensors, pads = [], []
+    for g, group in enumerate(stage.groups):
+        shard, pad = zero_partition(group, dp, rank)
+        pads.append(pad)
+        for kind in (*MOMENTS, "fp32_param"):
+            parts = []
+            for offset, region in shard.parts:
+                canonical, tshard = placed[region.key]
+                parts += [(offset + at, piece) for at, piece in
+                          flat_regions(tshard.parts, *region.flat, state_key(kind, canonical))]
+            length = shard.shape[0] - (pad if kind == "fp32_param" and not stage.bf16_optimizer else 0)
+            dtype = index.tensors[parts[0][1].key].dtype if parts else torch.float32
+            name = (g, kind) if prefix is None else (prefix, g, kind)
+            tensors.append(TargetTensor(name, Shard((length,), tuple(parts)), dtype))
+    return tensors, pads
+
+
+def _optim_tree(stage, topo: Topology, rank: int, pads: list[int], pending: dict) -> dict:
+    """The plain writer's optimizer file for a stage, with the per-parameter alignment
+    paddings (zeros: non-zero ones are refused on reading) of the stage's own groups."""
+    from converters.deepspeed import _optim_states
+
+    tree = _optim_states(stage, topo, rank, pads, pending)
+    osd = tree["optimizer_state_dict"]
+    if "param_alignment_paddings" in osd:
+        osd["param_alignment_paddings"] = [[0] * len(group) for group in stage.groups]
+    if "ds_config" in tree:
+        tree["ds_config"] = _pipe_config(stage, topo)
+    return tree
+
+
+def _pipe_config(stage, topo: Topology) -> dict:
+    """The plain writer's ds_config rule (per-GPU micro batch for the new DP), the ZeRO
+    stage left as the source's (a bf16 pipeline's is 0, though it reads as ZeRO-1)."""
+    from converters.deepspeed import _config
+
+    config = _config(stage, topo)
+    source = (stage.model_states.get("ds_config") or {}).get("zero_optimization")
+    if isinstance(source, dict) and "stage" in source:
+        config["zero_optimization"]["stage"] = source["stage"]
+    return config
+
+
 def _asdict(spec) -> dict:
     from dataclasses import asdict
 
     return asdict(spec)
 
 
-__all__ = ["is_pipeline", "read_pipeline", "PipeLayers", "megatron_args", "LAYER_FILE", "PIPELINE_KEY"]
+__all__ = ["is_pipeline", "read_pipeline", "PipeLayers", "PipeLayout", "PipelineWriter", "megatron_args",
+           "stage_bounds", "partition_balanced", "partition_uniform", "LAYER_FILE", "PIPELINE_KEY"]

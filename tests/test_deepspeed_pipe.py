@@ -188,8 +188,8 @@ def test_a_missing_layer_file_fails_verify(runs, run_cli, tmp_path):
     assert "layer files missing: ['layer_03']" in res.out + res.err
 
 
-def test_reshard_to_a_pipeline_is_refused_with_the_reason(runs, run_cli, tmp_path):
-    src = runs / "pipe"
-    res = run_cli("reshard", src, tmp_path / "pp1", "--to-pp", "1")
+def test_reshard_of_a_pipeline_to_another_zero_stage_is_refused_with_the_reason(runs, run_cli, tmp_path):
+    src = runs / "pipe"  # other PP/TP: tests/test_deepspeed_pipe_reshard.py
+    res = run_cli("reshard", src, tmp_path / "z2", "--to-zero", "2")
     assert res.code == 2
-    assert "writing DeepSpeed pipeline checkpoints (layer files) is not supported yet" in res.err
+    assert "DeepSpeed runs pipelines at ZeRO-1 (or its BF16_Optimizer); the stage stays 1" in res.err

@@ -202,6 +202,14 @@ def _rebuild_from_type(func, new_type, args, state):
     return _opaque_class("torch._tensor", "_rebuild_from_type_v2")(func, new_type, args, state)
 
 
+def _newobj(cls, *args):
+    """``copyreg.__newobj__`` (what older ckptool output wrote for NEWOBJ): ``cls.__new__``
+    when ``cls`` is an inert opaque class, else itself opaque."""
+    if isinstance(cls, type) and issubclass(cls, OpaqueObject):
+        return cls.__new__(cls, *args)
+    return _opaque_class("copyreg", "__newobj__")(cls, *args)
+
+
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _SAFE:
@@ -214,6 +222,8 @@ class _Unpickler(pickle.Unpickler):
             return _STORAGE_DTYPES[name]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
+        if (module, name) == ("copyreg", "__newobj__"):
+            return _newobj
         return _opaque_class(module, name)
 
     def persistent_load(self, pid):
@@ -389,10 +399,9 @@ class _Pickler(pickle._Pickler):  # the pure-Python pickler: it lets us write GL
             slot = self._slot(obj.dtype, math.prod(shape), obj)
             return (_GLOBAL_REBUILD, (slot, 0, torch.Size(shape), tuple(reversed(strides)), False,
                                       collections.OrderedDict()))
-        if isinstance(obj, OpaqueObject):
-            cls = _Global(obj._opaque_module, obj._opaque_name)
-            func, args = ((_Global("copyreg", "__newobj__"), (cls, *obj._args)) if obj._via_new
-                          else (cls, obj._args))
+        if isinstance(obj, OpaqueObject):  # built by NEWOBJ (cls.__new__) or by calling cls
+            func, args = ((_NEWOBJ, (type(obj), *obj._args)) if obj._via_new
+                          else (_Global(obj._opaque_module, obj._opaque_name), obj._args))
             return (func, args, obj._state, iter(obj._list) if obj._list else None,
                     iter(obj._items.items()) if obj._items else None)
         if isinstance(obj, type) and issubclass(obj, OpaqueObject):
@@ -406,6 +415,8 @@ class _Pickler(pickle._Pickler):  # the pure-Python pickler: it lets us write GL
         return None
 
     def save_global(self, obj, name=None):
+        if isinstance(obj, type) and issubclass(obj, OpaqueObject):  # an opaque class as an argument
+            obj = _Global(obj._opaque_module, obj._opaque_name)  # (copyreg.__newobj__ read back)
         if isinstance(obj, _Global):
             self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
             self.memoize(obj)
@@ -428,6 +439,14 @@ class _Global:
 
 
 _Pickler.dispatch[_Global] = lambda self, obj: self.save_global(obj)
+
+
+class _NewObj(_Global):
+    __slots__ = ()
+    __name__ = "__newobj__"  # pickle then writes the NEWOBJ opcode, as the source had it
+
+
+_NEWOBJ = _NewObj("copyreg", "__newobj__")
 _GLOBAL_REBUILD = _Global("torch._utils", "_rebuild_tensor_v2")
 
 
