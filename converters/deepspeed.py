@@ -64,6 +64,9 @@ _STEP_DIR = re.compile(r"^global_step(\d+)$")
 _PER_RANK = ("base_optimizer_state", "optimizer_state_dict", "single_partition_of_fp32_groups",
              "fp32_flat_groups", "group_paddings", "partition_count", "param_slice_mappings")
 """Optimizer-file entries that depend on the DP rank; the others are carried as they are."""
+_ZERO12_ONLY = ("clip_grad", "param_alignment_paddings", "ds_version")
+"""``optimizer_state_dict`` entries of ZeRO-1/2 files that ZeRO-3 files lack (DeepSpeed
+0.19.8); derived when writing 1/2 from 3, dropped when writing 3 from 1/2."""
 
 Group = list[tuple[str, tuple[int, ...]]]
 
@@ -450,10 +453,10 @@ def _int(value) -> int | None:
 
 class DeepSpeedWriter(Writer):
     """Writes a DeepSpeed run root (``latest`` + ``<tag>/``) from a DeepSpeed ZeRO source at
-    a new DP size, and between stages 1 and 2 (their files have the same shape) or from 3 to
-    1 or 2. Every rank's partitions are laid out by the rules above; the non-tensor entries
-    are the source's, with ``dp_world_size``, the stage and the partition bookkeeping
-    rewritten. Stage 1/2 to 3 is refused: ZeRO-3 files have no place for model-dtype weights.
+    a new DP size and any ZeRO stage 1-3 (stages 1 and 2 have files of the same shape; from
+    or to 3, the fp32 masters are the weights and ZeRO-3's ``module`` keeps only buffers).
+    Every rank's partitions are laid out by the rules above; the non-tensor entries are the
+    source's, with ``dp_world_size``, the stage and the partition bookkeeping rewritten.
     A pipeline source (layer files) is written by :class:`~converters.deepspeed_pipe.PipelineWriter`
     at any TP/PP/DP; the topology is checked once the source's kind is known (``target_spec``)."""
 
@@ -474,10 +477,6 @@ class DeepSpeedWriter(Writer):
             raise TopologyError("DeepSpeed output is written only from a DeepSpeed ZeRO checkpoint, "
                                 "at ZeRO-1/2/3",
                                 hint="Stage-0 checkpoints load at any DP size as they are")
-        if target.zero == 3 and source.zero != 3:
-            raise TopologyError(f"changing ZeRO-{source.zero} to ZeRO-3 is not supported yet: "
-                                "ZeRO-3 files keep no model-dtype weights, only the fp32 masters",
-                                hint="Stages 1 and 2 convert into each other, and ZeRO-3 into both")
 
     def target_spec(self, index, source, target, true_vocab_size):
         if PIPELINE_KEY in index.objects:
@@ -490,6 +489,8 @@ class DeepSpeedWriter(Writer):
         layout = index.objects[LAYOUT_KEY].value
         if layout.bf16_optimizer and target.zero != 1:
             raise TopologyError("BF16_Optimizer checkpoints stay at ZeRO-1", path=index.url)
+        if target.zero == 3:
+            _check_sub_groups(layout, target.dp, index.url)
         return None
 
     def source_schema(self, opened) -> str:
@@ -575,6 +576,22 @@ def _state_key(index: CheckpointIndex, kind: str, name: str) -> str:
     return key if kind != "fp32_param" or key in index.tensors else name
 
 
+def _check_sub_groups(layout: Layout, dp: int, where: str) -> None:
+    """ZeRO-3 splits a param group whose per-rank elements exceed ``sub_group_size`` (the
+    source's ds_config, else DeepSpeed's default 1e9) into sub-groups, each with its own
+    flat group and optimizer state; one partition per group is all that is written."""
+    config = (layout.model_states.get("ds_config") or {}).get("zero_optimization") or {}
+    value = config.get("sub_group_size")
+    limit = int(float(1e9 if value is None else value))
+    for g, group in enumerate(layout.groups):
+        numel = zero3_partition(group, dp, 0).shape[0]
+        if numel > limit:
+            raise TopologyError(f"param group {g} has {numel} elements per rank at DP{dp}, over "
+                                f"ZeRO-3's sub_group_size {limit}: DeepSpeed would split it into "
+                                "sub-groups, which are not written yet", path=where,
+                                hint="Write at a larger DP, or convert to deepspeed-universal")
+
+
 def _config(layout: Layout, topo: Topology) -> dict:
     """The source's ds_config with the target's stage and per-GPU micro batch (DeepSpeed
     stores it and does not read it on load)."""
@@ -616,7 +633,10 @@ def _optim_states(layout: Layout, topo: Topology, rank: int, pads: list[int], pe
     osd = dict(layout.osd)
     if "zero_stage" in osd and topo.zero != layout.stage:
         osd["zero_stage"] = type(osd["zero_stage"])(topo.zero)
-    if layout.stage == 3 and topo.zero < 3:  # entries ZeRO-3 files lack, as DeepSpeed writes them
+    if topo.zero == 3:
+        for key in _ZERO12_ONLY:
+            osd.pop(key, None)
+    elif layout.stage == 3:  # the ZeRO-1/2 entries, as DeepSpeed writes them
         config = layout.model_states.get("ds_config") or {}
         osd.update(clip_grad=float(config.get("gradient_clipping", 0.0)),
                    param_alignment_paddings=[[0] * len(group) for group in layout.groups],
