@@ -53,7 +53,7 @@ from ckptool.core.index import CheckpointIndex, ObjectInfo
 from ckptool.core.layout import WORD_EMBEDDINGS, split
 from ckptool.core.regions import Region
 from ckptool.core.topology import Topology
-from converters.megatron_common import params_by_key, spec_from_args, to_canonical
+from converters.megatron_common import normalize_args, params_by_key, spec_from_args, to_canonical
 from converters.megatron_optimizer import state_key
 from converters.megatron_ranks import add_piece, check_legacy_schema
 
@@ -134,24 +134,6 @@ class PipeLayout:
         return "embed"
 
 
-def megatron_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Megatron-DeepSpeed's args under Megatron-LM's spellings, which the shared layout
-    rules read: ``normalization`` ``layernorm``/``rmsnorm`` -> ``LayerNorm``/``RMSNorm``,
-    ``add_position_embedding`` / ``use_rotary_position_embeddings`` ->
-    ``position_embedding_type``, ``num_key_value_heads`` -> ``num_query_groups``."""
-    out = copy.copy(args)
-    norm = str(getattr(args, "normalization", "") or "")
-    out.normalization = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(norm.lower(), norm or "LayerNorm")
-    if not hasattr(args, "position_embedding_type"):
-        rotary = getattr(args, "use_rotary_position_embeddings", False)
-        learned = getattr(args, "add_position_embedding", True) and not rotary
-        out.position_embedding_type = "learned_absolute" if learned else ("rope" if rotary else "none")
-    kv = getattr(args, "num_key_value_heads", None)
-    if kv and not getattr(args, "group_query_attention", False) and kv != args.num_attention_heads:
-        out.group_query_attention, out.num_query_groups = True, int(kv)
-    return out
-
-
 @dataclass
 class _Rank:
     """A file read as one TP rank's (``add_piece``'s view of a rank file)."""
@@ -179,7 +161,7 @@ def read_pipeline(reader, store, tag: str, names: list[str]) -> CheckpointIndex:
                               "says which layer file holds which module", path=store.display(first),
                               hint="ckptool reads Megatron-DeepSpeed's GPTModelPipe checkpoints, "
                                    "whose client state carries args")
-    args = megatron_args(raw_args)
+    args = normalize_args(raw_args)
     spec, topo, vocab_known = spec_from_args(args)
     version = ms.get("checkpoint_version")
     check_legacy_schema("legacy", spec, version, store.display(first))
@@ -751,5 +733,5 @@ def _asdict(spec) -> dict:
     return asdict(spec)
 
 
-__all__ = ["is_pipeline", "read_pipeline", "PipeLayers", "PipeLayout", "PipelineWriter", "megatron_args",
+__all__ = ["is_pipeline", "read_pipeline", "PipeLayers", "PipeLayout", "PipelineWriter",
            "stage_bounds", "partition_balanced", "partition_uniform", "LAYER_FILE", "PIPELINE_KEY"]

@@ -204,9 +204,29 @@ def _get(args, name, default=None):
     return default if value is None else value
 
 
+def normalize_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Megatron-DeepSpeed's args under Megatron-LM's spellings, which the layout rules read
+    (Megatron-LM's own args pass unchanged): ``normalization`` ``layernorm``/``rmsnorm`` ->
+    ``LayerNorm``/``RMSNorm``, ``add_position_embedding`` / ``use_rotary_position_embeddings``
+    -> ``position_embedding_type``, ``num_key_value_heads`` -> ``num_query_groups``."""
+    out = copy.copy(args)
+    norm = str(getattr(args, "normalization", "") or "")
+    out.normalization = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(norm.lower(), norm or "LayerNorm")
+    if not hasattr(args, "position_embedding_type"):
+        rotary = getattr(args, "use_rotary_position_embeddings", False)
+        learned = getattr(args, "add_position_embedding", True) and not rotary
+        out.position_embedding_type = "learned_absolute" if learned else ("rope" if rotary else "none")
+    kv = getattr(args, "num_key_value_heads", None)
+    if kv and not getattr(args, "group_query_attention", False) and \
+            kv != getattr(args, "num_attention_heads", kv):
+        out.group_query_attention, out.num_query_groups = True, int(kv)
+    return out
+
+
 def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
                    ) -> tuple[ModelSpec, Topology, bool]:
     """The model and topology Megatron ``args`` describe, and whether the true vocab is known."""
+    args = normalize_args(args)
     try:
         layers = int(args.num_layers)
         hidden = int(args.hidden_size)

@@ -125,3 +125,21 @@ def test_any_topology_to_any_topology_is_exact(kw, tp_a, pp_a, vpp_a, tp_b, pp_b
     execute(plan_copies(reg_b, dst), reg_b, views_b, dst, list(out.values()))
     for k, v in globals_.items():
         assert torch.equal(out[k], v), k
+
+
+def test_megatron_deepspeed_args_spellings_read_as_megatron_lms():
+    """Megatron-DeepSpeed spells some args its own way (lower-case normalization, rotary as a
+    flag, num_key_value_heads); the legacy readers see the same model as from Megatron-LM's."""
+    import argparse
+
+    from converters.megatron_common import spec_from_args
+
+    common = dict(num_layers=2, hidden_size=64, num_attention_heads=8, padded_vocab_size=128,
+                  ffn_hidden_size=128, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    ds = argparse.Namespace(**common, normalization="rmsnorm", use_rotary_position_embeddings=True,
+                            num_key_value_heads=2, swiglu=True)
+    lm = argparse.Namespace(**common, normalization="RMSNorm", position_embedding_type="rope",
+                            group_query_attention=True, num_query_groups=2, swiglu=True)
+    assert spec_from_args(ds)[0] == spec_from_args(lm)[0]
+    spec = spec_from_args(ds)[0]
+    assert (spec.normalization, spec.learned_positions, spec.groups) == ("RMSNorm", False, 2)

@@ -8,6 +8,7 @@ can (:class:`HashingWriter`) and in one streaming pass otherwise (:func:`hash_fi
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import json
 import mmap
 import os
@@ -89,19 +90,40 @@ def write_manifest(store: Store, manifest: Manifest) -> None:
 
 
 class HashingWriter:
-    """A file-like writer that hashes what passes through it, so no second pass is needed."""
+    """A file-like writer that hashes what passes through it, so no second pass is needed.
+
+    On a local file it also starts the disk write-back of every ``WRITEBACK`` bytes as soon
+    as they are written (``posix_fadvise(DONTNEED)``: asynchronous on Linux, and it drops
+    the pages once clean), so the disk is busy while later bytes are still being produced
+    and the final ``fsync`` waits only for the tail; a large output also never holds
+    gigabytes of dirty page cache."""
+
+    WRITEBACK = 64 << 20
 
     def __init__(self, raw):
         self._raw = raw
         self._hash = xxhash.xxh3_128()
         self.size = 0
+        self._flushed = 0
+        self._fd = _fileno(raw) if hasattr(os, "posix_fadvise") else None
 
     def write(self, data) -> int:
         self._raw.write(data)
         self._hash.update(data)
         n = memoryview(data).nbytes
         self.size += n
+        if self._fd is not None and self.size - self._flushed >= self.WRITEBACK:
+            self._writeback()
         return n
+
+    def _writeback(self) -> None:
+        try:
+            self._raw.flush()
+            os.posix_fadvise(self._fd, self._flushed, self.size - self._flushed, os.POSIX_FADV_DONTNEED)
+        except (OSError, ValueError):
+            self._fd = None  # not a plain local file after all: leave it to the final fsync
+            return
+        self._flushed = self.size
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
@@ -111,12 +133,20 @@ class HashingWriter:
 
     def fsync(self) -> None:
         self._raw.flush()
-        fileno = getattr(self._raw, "fileno", None)
-        if fileno is not None:
+        fd = _fileno(self._raw)
+        if fd is not None:
             try:
-                os.fsync(fileno())
-            except (OSError, ValueError, AttributeError):
+                os.fsync(fd)
+            except OSError:
                 pass
+
+
+def _fileno(raw) -> int | None:
+    """The OS file descriptor of a local file object, or None (object stores, buffers)."""
+    try:
+        return raw.fileno()
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
 
 
 def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = None) -> tuple[int, str]:
