@@ -111,6 +111,23 @@ def zero3_partition(group: Group, dp: int, rank: int, key=lambda name: name) -> 
     return Shard((offset,), tuple(parts))
 
 
+def round_robin(group: Group, dp: int) -> Group:
+    """ZeRO-1/2 with ``round_robin_gradients``: the flat buffer (and ``param_shapes``) holds
+    the group's parameters reordered for DP size ``dp``, those at positions ``i % dp == 0``
+    first, then ``1``... (``_round_robin_reorder`` in stage_1_and_2.py). The order depends
+    on DP, so a new DP size needs a new order."""
+    return [group[i] for j in range(dp) for i in range(j, len(group), dp)]
+
+
+def round_robin_undone(group: Group, dp: int) -> Group:
+    """The model's own order of a group that :func:`round_robin` reordered for ``dp``."""
+    order = [i for j in range(dp) for i in range(j, len(group), dp)]
+    out: Group = [None] * len(group)  # type: ignore[list-item]
+    for position, i in enumerate(order):
+        out[i] = group[position]
+    return out
+
+
 @dataclass
 class Layout:
     """What a DeepSpeed writer needs beyond the tensors: the source's structure and the
@@ -504,7 +521,7 @@ class DeepSpeedWriter(Writer):
             raise UsageError("DeepSpeed ZeRO checkpoints keep the fp32 weights in the optimizer "
                              "files, so --drop-optimizer cannot apply", path=index.url,
                              hint="Convert to hf or dcp for the weights alone")
-        layout: Layout = index.objects[LAYOUT_KEY].value
+        layout = self._target = _ordered_for(index.objects[LAYOUT_KEY].value, index.topology, topo)
         tag, files = layout.tag, []
         if topo.zero < 3:
             files.append(self._model_file(f"{tag}/mp_rank_00_model_states.pt", index, layout, topo, 0))
@@ -555,7 +572,7 @@ class DeepSpeedWriter(Writer):
                    true_vocab_size: int | None) -> tuple[int, str]:
         if self.pipeline is not None:
             return self.pipeline.write_file(store, target, produce, index, true_vocab_size)
-        layout: Layout = index.objects[LAYOUT_KEY].value
+        layout = self._target
         ctx = target.context
         pending = {t.name: Pending(t.name, t.shard.shape, t.dtype) for t in target.tensors}
         tree = _model_states(layout, ctx["topo"], ctx["rank"], pending) if ctx["kind"] == "model" \
@@ -574,6 +591,21 @@ def _state_key(index: CheckpointIndex, kind: str, name: str) -> str:
     ``fp32_param``: its weights are the masters."""
     key = state_key(kind, name)
     return key if kind != "fp32_param" or key in index.tensors else name
+
+
+def _ordered_for(layout: Layout, source: Topology, target: Topology) -> Layout:
+    """The layout with each group in the order the target engine flattens it: the model's
+    order, reordered by :func:`round_robin` for the target DP when the run uses
+    ``round_robin_gradients`` at ZeRO-1/2 (BF16_Optimizer and ZeRO-3 do not reorder)."""
+    config = (layout.model_states.get("ds_config") or {}).get("zero_optimization") or {}
+    if not config.get("round_robin_gradients") or layout.bf16_optimizer:
+        return layout
+    groups = layout.groups
+    if source.zero < 3:
+        groups = [round_robin_undone(g, source.dp) for g in groups]
+    if target.zero < 3:
+        groups = [round_robin(g, target.dp) for g in groups]
+    return replace(layout, groups=groups)
 
 
 def _check_sub_groups(layout: Layout, dp: int, where: str) -> None:

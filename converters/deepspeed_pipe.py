@@ -508,6 +508,11 @@ class PipelineWriter:
         if target.zero != source.zero:
             raise TopologyError(f"DeepSpeed runs pipelines at ZeRO-1 (or its BF16_Optimizer); the "
                                 f"stage stays {source.zero}", path=index.url, hint="Drop --to-zero")
+        zero = (layout.model_states.get("ds_config") or {}).get("zero_optimization") or {}
+        if zero.get("round_robin_gradients"):
+            raise UsageError("DeepSpeed pipeline output of a run with round_robin_gradients is not "
+                             "supported yet (its flat order depends on the DP size)", path=index.url,
+                             hint="Convert to megatron, megatron-dist, hf or dcp")
         self.spec = target_spec(index, source, target, true_vocab_size)
         self._params = params_by_key(self.spec)
         check(self.spec, Topology(tp=target.tp))  # TP rules; PP follows DeepSpeed's, not Megatron's

@@ -169,3 +169,23 @@ def test_bf16_reshard_loads_exactly(tmp_path, precision, stage, zero):
             assert torch.equal(got["loaded"][kind][key], value), (kind, key)
     assert abs(got["loss"] - truth["loss"]) / abs(truth["loss"]) < (1e-5 if zero == stage else 1e-3)
     assert _rel(got["after"], truth["after"]) < 1e-2
+
+
+def test_round_robin_gradients_order_follows_the_new_dp_size(tmp_path):
+    """ZeRO-2 with round_robin_gradients: DeepSpeed flattens each group in an order that
+    depends on the DP size. A DP2 checkpoint resharded to DP3 is written in DP3's order, so a
+    DP3 engine gets every weight back and its next step (masters and Adam moments at work)
+    gives the loss and the weights of the run that continued at DP2.
+
+    The module's tensors are compared, not DeepSpeed's safe_get_full_fp32_param: in this mode
+    DeepSpeed 0.19.8 maps its fragments in the wrong order (its own zero_to_fp32 and the
+    module agree with ckptool, not with it)."""
+    import ckptool
+
+    H.save(tmp_path, [2], dp=2, precision="rr")
+    ckptool.reshard(str(tmp_path / "z2_rr"), str(tmp_path / "dp3"), to={"dp": 3})
+    H.load(3, [(2, tmp_path / "dp3", tmp_path / "loaded.pt")], precision="rr")
+    truth, got = torch.load(tmp_path / "z2_rr.truth.pt"), torch.load(tmp_path / "loaded.pt")
+    assert got["global_steps"] == H.STEPS
+    assert abs(got["loss"] - truth["loss"]) / abs(truth["loss"]) < 1e-5
+    assert _rel(got["module_after"], truth["module_after"]) < 1e-5
