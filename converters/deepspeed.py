@@ -74,26 +74,49 @@ Group = list[tuple[str, tuple[int, ...]]]
 # ------------------------------------------------------------------- the layout rules
 
 
-def zero_partition(group: Group, dp: int, rank: int, key=lambda name: name) -> tuple[Shard, int]:
+def zero_partition(group: Group, dp: int, rank: int, key=lambda name: name,
+                   align: int = 1) -> tuple[Shard, int]:
     """ZeRO-1/2: ``rank``'s partition of one param group's flat buffer, and its padding.
 
-    The group's parameters are concatenated in ``param_shapes`` order, the buffer is padded
-    at the tail to a multiple of ``2*dp`` and cut into ``dp`` equal partitions of P elements;
-    rank r owns ``[r*P, (r+1)*P)``, so a parameter can straddle ranks. The Adam moments keep
-    the padding (zeros); ``single_partition_of_fp32_groups`` drops it (BF16_Optimizer keeps
-    it); ``group_paddings[g][r]`` counts it. ``key`` names the regions' global tensor.
+    The group's parameters are concatenated in ``param_shapes`` order (with
+    ``parameter_alignment``, each but the last followed by :func:`alignment_paddings`), the
+    buffer is padded at the tail to a multiple of ``2*dp`` and cut into ``dp`` equal
+    partitions of P elements; rank r owns ``[r*P, (r+1)*P)``, so a parameter can straddle
+    ranks. The Adam moments keep the tail padding (zeros); ``single_partition_of_fp32_groups``
+    drops it (BF16_Optimizer keeps it); ``group_paddings[g][r]`` counts it. ``key`` names the
+    regions' global tensor.
     """
-    total = sum(math.prod(shape) for _, shape in group)
+    gaps = alignment_paddings(group, align)
+    total = sum(math.prod(shape) for _, shape in group) + sum(gaps)
     per_rank = -(-total // (2 * dp)) * 2
     lo, hi = rank * per_rank, (rank + 1) * per_rank
     parts, offset = [], 0
-    for name, shape in group:
+    for (name, shape), gap in zip(group, gaps):
         n = math.prod(shape)
         start, stop = max(offset, lo), min(offset + n, hi)
         if start < stop:
             parts.append((start - lo, Region.whole(key(name), shape, (start - offset, stop - offset))))
-        offset += n
+        offset += n + gap
     return Shard((per_rank,), tuple(parts)), max(0, hi - max(lo, total))
+
+
+def alignment_paddings(group: Group, align: int) -> list[int]:
+    """ZeRO-1/2 ``parameter_alignment``: zeros after each parameter but the last, up to a
+    multiple of ``align`` elements of the flat buffer (``align`` = 16 bytes over the model
+    dtype's size; 1 without the option): DeepSpeed's ``param_alignment_paddings``."""
+    out, offset = [], 0
+    for i, (_, shape) in enumerate(group):
+        offset += math.prod(shape)
+        gap = 0 if i == len(group) - 1 else (-offset) % align
+        out.append(gap)
+        offset += gap
+    return out
+
+
+def parameter_alignment(enabled: bool, dtype: torch.dtype) -> int:
+    """The ``align`` of :func:`alignment_paddings`: 16 bytes in elements of the model dtype
+    when ``zero_optimization.parameter_alignment`` is on, else 1."""
+    return 16 // math.gcd(16, dtype.itemsize) if enabled else 1
 
 
 def zero3_partition(group: Group, dp: int, rank: int, key=lambda name: name) -> Shard:
@@ -154,6 +177,8 @@ class Layout:
     steps: list[Any]
     fragment_type: Any = None
     """The class of ``param_slice_mappings`` values (``fragment_address``), kept opaque."""
+    align: int = 1
+    """ZeRO-1/2 ``parameter_alignment`` (:func:`alignment_paddings`); 1 without it."""
 
     @property
     def trainable(self) -> set[str]:
@@ -328,9 +353,17 @@ class DeepSpeedReader(TorchFileReader):
         frozen = [(n, tuple(s)) for n, s in frozen_shapes.items()] if frozen_shapes else \
             [(n, tuple(v.shape)) for n, v in module.items()
              if n not in trainable and n not in buffers and n not in shared]
-        if any(any(p) for p in osd.get("param_alignment_paddings") or ()):
-            raise UnreadableInput("parameter_alignment padding between parameters is not "
-                                  "supported yet", path=source)
+        dtypes = {v.dtype for n, v in module.items() if n in trainable}
+        zero_config = (ms.get("ds_config") or {}).get("zero_optimization") or {}
+        align = parameter_alignment(bool(zero_config.get("parameter_alignment")) and
+                                    "zero_stage" in osd,
+                                    dtypes.pop() if len(dtypes) == 1 else torch.float32)
+        stored = osd.get("param_alignment_paddings")
+        if stored is not None and [list(p) for p in stored] != \
+                [alignment_paddings(g, align) for g in groups]:
+            raise UnreadableInput("param_alignment_paddings do not follow DeepSpeed's rule for this "
+                                  "run's ds_config and dtype; ckptool cannot lay this buffer out",
+                                  path=source)
         base = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
         if not isinstance(base, dict):
             raise UnreadableInput("elastic DeepSpeed optimizer checkpoints are not supported yet",
@@ -354,7 +387,7 @@ class DeepSpeedReader(TorchFileReader):
             osd={k: archive.materialize(v) for k, v in osd.items() if k not in _PER_RANK},
             hyper=[{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]],
             steps=[archive.materialize(base["state"][g].get("step")) for g in range(len(groups))],
-            fragment_type=type(fragments[0]) if fragments else None)
+            fragment_type=type(fragments[0]) if fragments else None, align=align)
 
     def _read_module(self, store, index, rel, ms, shared) -> None:
         """Stages 0-2: every ``module`` entry is a full tensor; aliases (and stage 2's frozen
@@ -405,7 +438,7 @@ class DeepSpeedReader(TorchFileReader):
                 shard, weights = zero3_partition(group, dp, rank), None
                 fp32_len = shard.shape[0]
             else:
-                shard, pad = zero_partition(group, dp, rank)
+                shard, pad = zero_partition(group, dp, rank, align=layout.align)
                 weights, fp32_len = "fp32_param", shard.shape[0] - (0 if layout.bf16_optimizer else pad)
                 paddings = osd.get("group_paddings") or []
                 if not layout.bf16_optimizer and (len(paddings) <= g or paddings[g] != pad):
@@ -558,7 +591,7 @@ class DeepSpeedWriter(Writer):
             if topo.zero == 3:
                 shard, pad, fp32_len = zero3_partition(group, topo.dp, rank), 0, None
             else:
-                shard, pad = zero_partition(group, topo.dp, rank)
+                shard, pad = zero_partition(group, topo.dp, rank, align=layout.align)
                 fp32_len = shard.shape[0] - (0 if layout.bf16_optimizer else pad)
             target.context["pads"].append(pad)
             for kind in (*MOMENTS, "fp32_param"):
@@ -671,8 +704,9 @@ def _optim_states(layout: Layout, topo: Topology, rank: int, pads: list[int], pe
     elif layout.stage == 3:  # the ZeRO-1/2 entries, as DeepSpeed writes them
         config = layout.model_states.get("ds_config") or {}
         osd.update(clip_grad=float(config.get("gradient_clipping", 0.0)),
-                   param_alignment_paddings=[[0] * len(group) for group in layout.groups],
                    ds_version=layout.model_states.get("ds_version"))
+    if topo.zero < 3 and (layout.stage == 3 or "param_alignment_paddings" in osd):
+        osd["param_alignment_paddings"] = [alignment_paddings(g, layout.align) for g in layout.groups]
     if topo.zero == 3:
         osd.update(optimizer_state_dict=state, fp32_flat_groups=masters, partition_count=topo.dp)
     else:
@@ -683,8 +717,8 @@ def _optim_states(layout: Layout, topo: Topology, rank: int, pads: list[int], pe
                                     - sum(math.prod(s) for _, s in layout.groups[g])) * last
                                    for g in groups] if layout.bf16_optimizer else list(pads))
         if layout.fragment_type is not None:
-            osd["param_slice_mappings"] = [_fragments(layout.fragment_type, group, topo.dp, rank)
-                                           for group in layout.groups]
+            osd["param_slice_mappings"] = [_fragments(layout.fragment_type, group, topo.dp, rank,
+                                                      layout.align) for group in layout.groups]
     tree = dict(layout.optim_file)
     tree["optimizer_state_dict"] = osd
     if "ds_config" in tree:
@@ -692,10 +726,10 @@ def _optim_states(layout: Layout, topo: Topology, rank: int, pads: list[int], pe
     return tree
 
 
-def _fragments(cls: type, group: Group, dp: int, rank: int) -> OrderedDict:
+def _fragments(cls: type, group: Group, dp: int, rank: int, align: int = 1) -> OrderedDict:
     """``param_slice_mappings``: each parameter in this partition, ``fragment_address(numel,
     start)`` with start the offset inside the partition (read by ds_to_universal)."""
-    shard, _ = zero_partition(group, dp, rank)
+    shard, _ = zero_partition(group, dp, rank, align=align)
     out = OrderedDict()
     for offset, region in shard.parts:
         address = cls.__new__(cls)  # the source's opaque class: pickled back under its name

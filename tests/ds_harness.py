@@ -59,6 +59,8 @@ PRECISIONS = {
     "bf16opt": {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
     # fp32, the flat buffers in round-robin order (which depends on the DP size)
     "rr": {"zero_optimization": {"round_robin_gradients": True}},
+    # bf16, each parameter of the flat buffers aligned to 16 bytes (zeros in between)
+    "align": {"bf16": {"enabled": True}, "zero_optimization": {"parameter_alignment": True}},
 }
 
 

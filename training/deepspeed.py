@@ -29,7 +29,7 @@ import torch
 
 from ckptool.core.errors import UsageError
 from ckptool.core.regions import Region, Shard
-from converters.deepspeed import zero3_partition, zero_partition
+from converters.deepspeed import parameter_alignment, zero3_partition, zero_partition
 from converters.megatron_optimizer import state_key
 from training.state import Sharded
 
@@ -80,7 +80,9 @@ def sharded_state(engine) -> dict:
         if stage == 3:
             shard, pad = zero3_partition(params, dp, dp_rank), 0
         else:
-            shard, pad = zero_partition(params, dp, dp_rank)
+            align = parameter_alignment(bool(getattr(opt, "parameter_alignment", False)),
+                                        next(iter(engine.module.parameters())).dtype)
+            shard, pad = zero_partition(params, dp, dp_rank, align=align)
         if flat.numel() not in (shard.shape[0], shard.shape[0] - pad):
             raise UsageError(f"fp32 partition of param group {g} has {flat.numel()} elements, the "
                              f"ZeRO-{stage} rule at DP{dp} says {shard.shape[0]}")
