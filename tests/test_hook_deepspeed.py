@@ -24,7 +24,8 @@ peer("deepspeed")
 from tests import ds_harness as H  # noqa: E402
 
 STAGES = (1, 2, 3)
-CASES = [(stage, "fp32") for stage in STAGES] + [(2, "bf16"), (3, "bf16")]
+CASES = [(stage, "fp32") for stage in STAGES] + [(2, "bf16"), (3, "bf16"), (2, "align")]
+"""``align``: bf16 with ZeRO's parameter_alignment (zeros between parameters)."""
 NAMES = [f"z{stage}" + ("" if p == "fp32" else f"_{p}") for stage, p in CASES]
 
 
@@ -88,7 +89,7 @@ def test_dp2_hook_checkpoint_resumes_at_dp3(hook, name):
         for key, value in truth["saved"][kind].items():
             assert torch.equal(got["loaded"][kind][key], value), (kind, key)
     assert abs(got["loss"] - truth["loss"]) / abs(truth["loss"]) < 1e-5
-    tol = 1e-2 if "bf16" in name else 1e-5
+    tol = 1e-5 if name in {f"z{s}" for s in STAGES} else 1e-2  # bf16: reduced over 3 ranks
     for key, value in truth["after"].items():
         assert _close(got["after"][key], value, tol), key
 
