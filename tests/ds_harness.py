@@ -126,6 +126,19 @@ def full_state(eng) -> dict:
     return out
 
 
+def assert_loaded_exactly(got: dict, truth: dict) -> None:
+    """Every fp32 master, Adam moment and frozen parameter the saving engine held is in the
+    loading engine, bit for bit (``truth["saved"]`` vs ``got["loaded"]`` of save/load)."""
+    for kind, tensors in truth["saved"].items():
+        for key, value in tensors.items():
+            assert torch.equal(got["loaded"][kind][key], value), (kind, key)
+
+
+def rel(a: dict, b: dict) -> float:
+    """The largest relative difference between same-named tensors."""
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in b)
+
+
 def module_state(eng) -> dict:
     """The module's own tensors (stages 1/2: full; what the forward uses). Under
     round_robin_gradients DeepSpeed 0.19.8's safe_get_full_fp32_param maps fragments in the

@@ -50,22 +50,16 @@ def ds(tmp_path_factory):
     return root
 
 
-def _rel(a: dict, b: dict) -> float:
-    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in b)
-
-
 @pytest.mark.parametrize("dp,case", [(dp, i) for dp, jobs in LOADS.items() for i in range(len(jobs))],
                          ids=[name for jobs in LOADS.values() for _, name, _ in jobs])
 def test_deepspeed_loads_the_reshard_and_continues_the_run(ds, dp, case):
     _, name, source_stage = LOADS[dp][case]
     truth = torch.load(ds / f"z{source_stage}.truth.pt")
     got = torch.load(ds / f"{name}.loaded.pt")
-    for kind, tensors in truth["saved"].items():  # every fp32 master, moment and frozen param
-        for key, value in tensors.items():
-            assert torch.equal(got["loaded"][kind][key], value), (kind, key)
+    H.assert_loaded_exactly(got, truth)  # every fp32 master, moment and frozen param
     assert got["global_steps"] == H.STEPS
     assert abs(got["loss"] - truth["loss"]) / abs(truth["loss"]) < 1e-5
-    assert _rel(got["after"], truth["after"]) < 1e-5
+    assert H.rel(got["after"], truth["after"]) < 1e-5
 
 
 def _ckptool_fp32(run_cli, src, dst) -> dict:
@@ -164,11 +158,9 @@ def test_bf16_reshard_loads_exactly(tmp_path, precision, stage, zero):
     ckptool.reshard(str(tmp_path / name), str(tmp_path / "dp3"), to={"dp": 3, "zero": zero})
     H.load(3, [(zero, tmp_path / "dp3", tmp_path / "loaded.pt")], precision=precision)
     truth, got = torch.load(tmp_path / f"{name}.truth.pt"), torch.load(tmp_path / "loaded.pt")
-    for kind, tensors in truth["saved"].items():
-        for key, value in tensors.items():
-            assert torch.equal(got["loaded"][kind][key], value), (kind, key)
+    H.assert_loaded_exactly(got, truth)
     assert abs(got["loss"] - truth["loss"]) / abs(truth["loss"]) < (1e-5 if zero == stage else 1e-3)
-    assert _rel(got["after"], truth["after"]) < 1e-2
+    assert H.rel(got["after"], truth["after"]) < 1e-2
 
 
 def test_round_robin_gradients_order_follows_the_new_dp_size(tmp_path):
@@ -188,7 +180,7 @@ def test_round_robin_gradients_order_follows_the_new_dp_size(tmp_path):
     truth, got = torch.load(tmp_path / "z2_rr.truth.pt"), torch.load(tmp_path / "loaded.pt")
     assert got["global_steps"] == H.STEPS
     assert abs(got["loss"] - truth["loss"]) / abs(truth["loss"]) < 1e-5
-    assert _rel(got["module_after"], truth["module_after"]) < 1e-5
+    assert H.rel(got["module_after"], truth["module_after"]) < 1e-5
 
 
 @pytest.mark.parametrize("stage", (1, 2))
@@ -204,7 +196,5 @@ def test_parameter_alignment_padding_is_laid_out_by_the_rule(tmp_path, stage):
     ckptool.reshard(str(tmp_path / f"z{stage}_align"), str(tmp_path / "dp3"), to={"dp": 3})
     H.load(3, [(stage, tmp_path / "dp3", tmp_path / "loaded.pt")], precision="align")
     truth, got = torch.load(tmp_path / f"z{stage}_align.truth.pt"), torch.load(tmp_path / "loaded.pt")
-    for kind, tensors in truth["saved"].items():
-        for key, value in tensors.items():
-            assert torch.equal(got["loaded"][kind][key], value), (kind, key)
+    H.assert_loaded_exactly(got, truth)
     assert abs(got["loss"] - truth["loss"]) / abs(truth["loss"]) < 1e-5
