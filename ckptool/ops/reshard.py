@@ -378,13 +378,17 @@ class _Group:
                 writer.absorb(records)
 
     def close(self) -> None:
-        """Tear the process group down after the last collective (gloo aborts the process
-        at exit otherwise: "terminate called without an active exception")."""
+        """Tear the process group down after the last collective, every rank together (gloo
+        aborts a process at exit otherwise, "terminate called without an active exception":
+        seen once in CI when one rank tore down while the other still used the connection)."""
         if self.world > 1:
             import torch.distributed as dist
 
             if dist.is_initialized():
-                dist.destroy_process_group()
+                try:
+                    dist.barrier()
+                finally:
+                    dist.destroy_process_group()
 
     def commit_done(self, error: str | None = None):
         if self.world > 1:
