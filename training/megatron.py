@@ -15,7 +15,6 @@ converters use, so it reshards with the weights.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Iterable, Mapping
 
 import torch
@@ -25,7 +24,7 @@ from ckptool.core.layout import ModelSpec, layout
 from ckptool.core.regions import Region, Shard
 from ckptool.core.topology import Topology
 from converters.megatron_common import SCHEMAS, detect_schema
-from converters.megatron_optimizer import state_key
+from converters.megatron_optimizer import state_key, state_shard
 from training.state import Sharded
 
 ADAM_KINDS = ("exp_avg", "exp_avg_sq")
@@ -97,9 +96,7 @@ def _adam_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str,
             state[kind] = torch.zeros_like(param, memory_format=torch.preserve_format)
     out = {}
     for kind in ADAM_KINDS:
-        renamed = Shard(shard.shape, tuple((off, replace(r, key=state_key(kind, r.key)))
-                                           for off, r in shard.parts), shard.dtype)
-        out[state_key(kind, key)] = Sharded(state[kind], renamed, replica)
+        out[state_key(kind, key)] = Sharded(state[kind], state_shard(kind, shard), replica)
     step = state["step"]
     if not isinstance(step, torch.Tensor):
         step = state["step"] = torch.tensor(float(step))
