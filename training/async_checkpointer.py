@@ -86,6 +86,7 @@ class AsyncCheckpointer:
         # Coordination runs on its own gloo group so the training group (NCCL) never blocks.
         self._side = dist.new_group(ranks=ranks, backend="gloo") if self._distributed else None
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._registered: list[torch.Tensor] = []  # shared buffers page-locked by us
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_committed: str | None = None
@@ -108,6 +109,10 @@ class AsyncCheckpointer:
         finally:
             if self._writer is not None:
                 self._writer.close()
+            for buf in self._registered:
+                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+            self._registered.clear()
+            self._buffers.clear()
 
     def wait(self) -> None:
         """Block until the last save is committed; raise its error if it failed."""
@@ -149,11 +154,7 @@ class AsyncCheckpointer:
             slot = (dotted(e.path), tuple(local.shape), local.dtype)
             buf = self._buffers.get(slot)
             if buf is None:
-                buf = torch.empty(local.shape, dtype=local.dtype,
-                                  pin_memory=local.is_cuda and torch.cuda.is_available())
-                if self._writer is not None:
-                    buf.share_memory_()  # the writer process reads it in place
-                self._buffers[slot] = buf
+                buf = self._buffers[slot] = self._host_buffer(local)
             buf.copy_(local, non_blocking=local.is_cuda)
             for key, shape, offsets, lengths, view in boxes(e.shard, buf):
                 chunks.append(_Chunk(key, shape, offsets, lengths, view))
@@ -165,6 +166,29 @@ class AsyncCheckpointer:
         if any(c.host.is_pinned() for c in chunks):
             torch.cuda.synchronize()
         return chunks, objects
+
+    def _host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A staging buffer for ``like``, kept for the next save.
+
+        Page-locked when ``like`` is on a GPU, so the device-to-host copy runs at full speed
+        and asynchronously (one synchronize at the end of staging); in shared memory when a
+        writer process reads it, then page-locked in place with cudaHostRegister.
+        """
+        cuda = like.is_cuda and torch.cuda.is_available()
+        shared = self._writer is not None
+        buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=cuda and not shared)
+        if shared:
+            buf.share_memory_()  # the writer process reads it in place
+            nbytes = buf.untyped_storage().nbytes()
+            if cuda and nbytes:
+                try:
+                    torch.cuda.check_error(
+                        torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+                    self._registered.append(buf)
+                except RuntimeError as exc:  # still correct, only slower
+                    logger.warning("could not page-lock a shared staging buffer (%s); "
+                                   "device-to-host copies will be slower", exc)
+        return buf
 
     # ------------------------------------------------------------------ writing
 
