@@ -87,6 +87,17 @@ def make_ckpt():
     return make
 
 
+def full_tensor(opened, key: str) -> torch.Tensor:
+    """The whole global tensor ``key`` of an opened checkpoint, read through its reader."""
+    from ckptool.core.engine import TargetTensor, fill_tensor
+    from ckptool.core.regions import Region, Shard
+
+    info = opened.index.tensors[key]
+    t = TargetTensor(key, Shard.of(Region.whole(key, info.shape)), info.dtype)
+    return fill_tensor(t, opened.index,
+                       lambda p, d, b, out: opened.reader.read_box_into(opened.store, p, d, b, out))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

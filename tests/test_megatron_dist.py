@@ -7,14 +7,12 @@ import json
 
 import pytest
 
-from tests.conftest import peer
+from tests.conftest import full_tensor, peer
 import torch
 
 peer("megatron.core")
 
 from ckptool.checkpoint import open_checkpoint  # noqa: E402
-from ckptool.core.engine import TargetTensor, fill_tensor  # noqa: E402
-from ckptool.core.regions import Region, Shard  # noqa: E402
 from tests import mcore_harness as H  # noqa: E402
 
 
@@ -32,19 +30,12 @@ def reference_logits(both):
     return torch.load(legacy.parent / f"{legacy.name}.logits.pt")
 
 
-def _full(opened, key):
-    info = opened.index.tensors[key]
-    t = TargetTensor(key, Shard.of(Region.whole(key, info.shape)), info.dtype)
-    return fill_tensor(t, opened.index,
-                       lambda p, d, b, out: opened.reader.read_box_into(opened.store, p, d, b, out))
-
-
 def test_torch_dist_reads_as_the_same_canonical_tensors(both):
     legacy, dist = (open_checkpoint(str(p)) for p in both)
     assert dist.format == "megatron-dist" and legacy.format == "megatron"
     assert set(dist.index.tensors) == set(legacy.index.tensors)
     for key in legacy.index.tensors:
-        assert torch.equal(_full(dist, key), _full(legacy, key)), key
+        assert torch.equal(full_tensor(dist, key), full_tensor(legacy, key)), key
     assert dist.index.iteration == 10 and dist.index.topology.tp == 2
 
 
@@ -111,7 +102,7 @@ def test_convert_to_megatron_with_te_names(both, tmp_path, run_cli):
     # whatever the names, the canonical tensors are the same bits
     out, src = open_checkpoint(str(dst)), open_checkpoint(str(dist))
     for key in src.index.tensors:
-        assert torch.equal(_full(out, key), _full(src, key)), key
+        assert torch.equal(full_tensor(out, key), full_tensor(src, key)), key
 
 
 def test_legacy_names_refuse_gqa_before_writing(both, tmp_path, run_cli):
@@ -169,7 +160,7 @@ def _loaded_equals_source(loaded: dict, source, kinds=KINDS):
     for name, state in loaded.items():
         canonical, _ = to_canonical("mcore-local", name, range(H.LLAMA["num_layers"]), False)
         for kind in kinds:
-            assert torch.equal(state[kind], _full(source, optim.state_key(kind, canonical))), (name, kind)
+            assert torch.equal(state[kind], full_tensor(source, optim.state_key(kind, canonical))), (name, kind)
         assert float(state["step"]) == 2.0
 
 
@@ -221,7 +212,7 @@ def test_torch_dist_optimizer_to_legacy_and_back(trained_dist, tmp_path, run_cli
     a, b = open_checkpoint(str(src)), open_checkpoint(str(back))
     assert set(a.index.tensors) == set(b.index.tensors)
     for key in a.index.tensors:
-        assert torch.equal(_full(a, key), _full(b, key)), key
+        assert torch.equal(full_tensor(a, key), full_tensor(b, key)), key
 
 
 def test_legacy_to_torch_dist_to_legacy_is_bit_exact_for_the_optimizer(trained_legacy, tmp_path,

@@ -12,9 +12,7 @@ import pytest
 import torch
 
 from ckptool.checkpoint import open_checkpoint
-from ckptool.core.engine import TargetTensor, fill_tensor
-from ckptool.core.regions import Region, Shard
-from tests.conftest import peer
+from tests.conftest import full_tensor, peer
 
 DATA = Path(__file__).parent / "data" / "mcore_zarr"
 VOCAB = 100
@@ -25,13 +23,6 @@ STACKED = "decoder.layers."
 @pytest.fixture(scope="module")
 def reference():
     return torch.load(DATA / "reference_logits.pt")
-
-
-def _full(opened, key):
-    info = opened.index.tensors[key]
-    t = TargetTensor(key, Shard.of(Region.whole(key, info.shape)), info.dtype)
-    return fill_tensor(t, opened.index,
-                       lambda p, d, b, out: opened.reader.read_box_into(opened.store, p, d, b, out))
 
 
 def _zarr_arrays(name: str) -> dict[str, torch.Tensor]:
@@ -76,7 +67,7 @@ def test_reads_what_zarr_reads(name):
     want = _zarr_arrays(name)
     assert set(opened.index.tensors) == set(want)
     for key, array in want.items():
-        assert torch.equal(_full(opened, key), array), key
+        assert torch.equal(full_tensor(opened, key), array), key
         piece = opened.index.tensors[key].pieces[0]  # and a whole piece, as verify reads it
         got = opened.reader.read_piece(opened.store, piece, array.dtype)
         r = piece.region
@@ -87,7 +78,7 @@ def test_bf16_chunks_are_the_fp32_weights_in_bf16():
     opened = open_checkpoint(str(DATA / "llama_bf16"))
     for key, want in _expected("llama_bf16").items():
         assert opened.index.tensors[key].dtype == torch.bfloat16
-        assert torch.equal(_full(opened, key), want), key
+        assert torch.equal(full_tensor(opened, key), want), key
 
 
 def test_sharded_objects_and_common_state_are_read():
@@ -137,7 +128,7 @@ def test_convert_to_legacy_torch_dist_and_dcp_is_bit_exact(name, tmp_path, run_c
         opened = open_checkpoint(str(out))
         assert opened.format == fmt and set(opened.index.tensors) == set(want)
         for key, array in want.items():
-            got = _full(opened, key)
+            got = full_tensor(opened, key)
             if got.shape != array.shape:  # the vocab, padded for TP1 (112 rows, not 128)
                 got, array = got[:VOCAB], array[:VOCAB]
             assert got.dtype == array.dtype and torch.equal(got, array), (fmt, key)
@@ -168,7 +159,7 @@ def test_compressed_and_edge_chunks_as_zarr_writes_them(tmp_path, run_cli):
     assert not (root / "iter_0000010" / "decoder.layers.mlp.linear_fc1.weight" / "0.1.0").exists()
     opened = open_checkpoint(str(root))
     for key, array in want.items():
-        assert torch.equal(_full(opened, key), array), key
+        assert torch.equal(full_tensor(opened, key), array), key
     res = run_cli("verify", root, "--deep")
     assert res.code == 0, res.out + res.err
 
