@@ -98,6 +98,13 @@ class Opened:
             return self
         return Opened(self.store, self.format, ViewReader(self.reader), self.manifest, view)
 
+    def native(self) -> "Opened":
+        """This checkpoint under the names its format stores (itself when they are its index's)."""
+        stored = self.reader.native(self.store, self.index)
+        if stored is None:
+            return self
+        return Opened(self.store, self.format, self.reader, self.manifest, stored)
+
 
 def merge_manifest(index: CheckpointIndex, manifest: Manifest | None) -> CheckpointIndex:
     """Fill what the format itself does not record from the manifest."""

@@ -325,9 +325,15 @@ class FormatType(click.ParamType):
 @click.option("--max-shard-size", type=ByteSize(), help="hf: largest safetensors file, e.g. 5GB, 500MB.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
               help="hf: dtype of the written weights (default: the source's).")
+@click.option("--init-optimizer", is_flag=True,
+              help="deepspeed from hf: write a fresh optimizer state (fp32 masters, zero "
+                   "moments, step 0) for --zero S at --dp N.")
+@click.option("--param-groups", type=click.Choice(["decay", "single"]),
+              help="deepspeed from hf: the engine's param groups: decay (default; no weight decay "
+                   "for biases and 1-D parameters, as the HF Trainer groups them) or single.")
 @_rewrite_options
 def convert(src, dst, to_format, tp, pp, dp, zero, megatron_names, model_family, model_config,
-            max_shard_size, dtype,
+            max_shard_size, dtype, init_optimizer, param_groups,
             true_vocab_size, workers, first_stage_layers, last_stage_layers, dry_run, overwrite,
             drop_optimizer, as_json, quiet):
     """Write the checkpoint SRC at DST in another format, optionally at another TP/PP.
@@ -345,8 +351,8 @@ def convert(src, dst, to_format, tp, pp, dp, zero, megatron_names, model_family,
               dry_run=dry_run, overwrite=overwrite, true_vocab_size=true_vocab_size,
               drop_optimizer=drop_optimizer, names=megatron_names,
               model_family="gpt2" if model_family == "gpt" else model_family,
-              model_config=model_config,
-              options={"max_shard_size": max_shard_size, "dtype": dtype,
+              model_config=model_config, init_optimizer=init_optimizer,
+              options={"max_shard_size": max_shard_size, "dtype": dtype, "param_groups": param_groups,
                        "first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers})
     _render_rewrite(out, res, "converted")
 

@@ -49,7 +49,8 @@ from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending, TensorRef
 from ckptool.core.torchreader import TorchFileReader, save_target
 from converters.deepspeed_pipe import PIPELINE_KEY, PipelineWriter, is_pipeline, read_pipeline
-from converters.megatron_optimizer import state_key
+from converters.megatron_optimizer import FRESH_STEP, state_key
+from converters.megatron_optimizer import groups as megatron_groups
 
 NAME = "deepspeed"
 LATEST = "latest"
@@ -331,6 +332,8 @@ class DeepSpeedReader(TorchFileReader):
             self._read_module(store, index, first, ms, layout.shared)
         else:
             self._read_zero3_model_states(store, index, model_rels, layout)
+            dtypes = {dtype for name, _, dtype in layout.module if name in layout.trainable}
+            index.model_dtype = dtypes.pop() if len(dtypes) == 1 else None
         for rank, rel in enumerate(optim_rels):
             self._read_partitions(store, index, rel, rank, dp, layout)
         for key, info in index.tensors.items():
@@ -487,6 +490,8 @@ def _stage(osd: dict | None, ms: dict) -> int:
     if osd is None:
         return 0
     enum = osd.get("zero_stage")
+    if isinstance(enum, int):  # what ckptool writes for an hf source
+        return enum
     args = getattr(enum, "_args", None)
     if args and isinstance(args[0], int):
         return args[0]
@@ -511,8 +516,19 @@ class DeepSpeedWriter(Writer):
     at any TP/PP/DP; the topology is checked once the source's kind is known (``target_spec``)."""
 
     name = NAME
+    canonical_source = False  # an hf source keeps its names: they are the engine module's
+    fresh_optimizer = True
     pipeline: PipelineWriter | None = None
     """Set for a pipeline source: it writes the output (:mod:`converters.deepspeed_pipe`)."""
+    param_groups: str = "decay"
+    """hf source: ``decay`` (weight decay / none for biases and 1-D parameters, as the HF
+    Trainer and Megatron group them) or ``single`` (DeepSpeed's own optimizer from its config)."""
+    _source: Layout | None = None
+
+    def configure(self, *, param_groups: str | None = None, **unknown) -> None:
+        super().configure(**unknown)
+        if param_groups is not None:
+            self.param_groups = param_groups
 
     def target_topology(self, source: Topology, changes: dict) -> Topology:
         return replace(source, **changes)  # checked by target_spec, which sees the source's kind
@@ -532,16 +548,35 @@ class DeepSpeedWriter(Writer):
         if PIPELINE_KEY in index.objects:
             self.pipeline = PipelineWriter()
             return self.pipeline.target_spec(index, source, target, true_vocab_size)
-        self._check_topology(source, target)
-        if LAYOUT_KEY not in index.objects:
-            raise UsageError(f"DeepSpeed output is written only from a DeepSpeed ZeRO checkpoint, "
-                             f"not from {index.format}", path=index.url)
-        layout = index.objects[LAYOUT_KEY].value
+        if index.format == "hf":
+            self._source = _hf_layout(index, target, self.param_groups)
+        else:
+            self._check_topology(source, target)
+            if LAYOUT_KEY not in index.objects:
+                raise UsageError(f"DeepSpeed output is written only from a DeepSpeed ZeRO checkpoint "
+                                 f"or a Hugging Face model, not from {index.format}", path=index.url)
+            self._source = index.objects[LAYOUT_KEY].value
+        layout = self._source
         if layout.bf16_optimizer and target.zero != 1:
             raise TopologyError("BF16_Optimizer checkpoints stay at ZeRO-1", path=index.url)
         if target.zero == 3:
             _check_sub_groups(layout, target.dp, index.url)
         return None
+
+    def notes(self, index: CheckpointIndex) -> list[str]:
+        if self.pipeline is not None or index.format != "hf":
+            return []
+        if FRESH_STEP not in index.objects:
+            return ["model weights only (no optimizer state was asked for): load with "
+                    "engine.load_checkpoint(DST, load_module_only=True) into a ZeRO-0/1/2 engine "
+                    "at any DP size; --init-optimizer --zero S --dp N writes ZeRO files (ZeRO-3 "
+                    "needs them)"]
+        groups = "one param group" if self.param_groups == "single" else \
+            "two param groups (decay; no decay for biases and 1-D parameters)"
+        return [f"fresh optimizer state (fp32 masters = the weights, zero Adam moments, step 0) "
+                f"in {groups}, in the model's parameter order: load with engine.load_checkpoint("
+                "DST, load_optimizer_states=False, load_lr_scheduler_states=False), so that your "
+                "config's hyperparameters and scheduler apply (the files carry none)"]
 
     def source_schema(self, opened) -> str:
         return NAME
@@ -550,14 +585,16 @@ class DeepSpeedWriter(Writer):
              with_optimizer: bool = True) -> list[TargetFile]:
         if self.pipeline is not None:
             return self.pipeline.plan(index, topo, with_optimizer)
-        if not with_optimizer:
+        if not with_optimizer and topo.zero:
             raise UsageError("DeepSpeed ZeRO checkpoints keep the fp32 weights in the optimizer "
                              "files, so --drop-optimizer cannot apply", path=index.url,
                              hint="Convert to hf or dcp for the weights alone")
-        layout = self._target = _ordered_for(index.objects[LAYOUT_KEY].value, index.topology, topo)
+        layout = self._target = _ordered_for(self._source, index.topology, topo)
         tag, files = layout.tag, []
         if topo.zero < 3:
             files.append(self._model_file(f"{tag}/mp_rank_00_model_states.pt", index, layout, topo, 0))
+        if topo.zero == 0:  # an hf source without --init-optimizer: the module alone
+            return files
         prefix = "bf16_" if layout.bf16_files else ""
         for rank in range(topo.dp):
             if topo.zero == 3:
@@ -572,11 +609,10 @@ class DeepSpeedWriter(Writer):
         the frozen parameters (ZeRO-3: this rank's slice)."""
         target = TargetFile(path, context={"kind": "model", "rank": rank, "topo": topo})
         for name, shape, dtype in layout.module:
-            if topo.zero == 3 and name in layout.params:
-                continue
-            key = layout.shared.get(name, name)
+            if topo.zero == 3 and name in layout.params or name in layout.shared:
+                continue  # an alias is its owner's tensor (_model_states)
             target.tensors.append(TargetTensor(("module", name), Shard.of(
-                Region.whole(key, index.tensors[key].shape)), index.tensors[key].dtype))
+                Region.whole(name, index.tensors[name].shape)), index.tensors[name].dtype))
         if topo.zero >= 2:
             for name, shape in layout.frozen:
                 shard = zero3_partition([(name, shape)], topo.dp, rank) if topo.zero == 3 else \
@@ -615,8 +651,14 @@ class DeepSpeedWriter(Writer):
     def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
         if self.pipeline is not None:
             return self.pipeline.finalize(store, index)
-        store.write_bytes(LATEST, index.objects[LAYOUT_KEY].value.tag.encode())
-        return [LATEST]
+        store.write_bytes(LATEST, self._source.tag.encode())
+        if index.format != "hf":
+            return [LATEST]
+        from converters.hf import CONFIG, CONFIG_KEY
+
+        # beside `latest`, as the HF Trainer lays it out: the reader finds the model's schema
+        store.write_bytes(CONFIG, json.dumps(index.objects[CONFIG_KEY].value, indent=2).encode())
+        return [LATEST, CONFIG]
 
 
 def _state_key(index: CheckpointIndex, kind: str, name: str) -> str:
@@ -672,15 +714,16 @@ def _config(layout: Layout, topo: Topology) -> dict:
 def _model_states(layout: Layout, topo: Topology, rank: int, pending: dict) -> dict:
     tree = dict(layout.model_states)
     tree["param_shapes"] = [OrderedDict((n, torch.Size(s)) for n, s in group)
-                            for group in layout.groups]  # DeepSpeed calls .numel() on them
+                            for group in layout.groups] if topo.zero else None  # .numel() is called
+    # a tied alias is the very same tensor (one storage in the file), as torch.save keeps it
     tree["module"] = OrderedDict(
-        (name, pending.get(("module", name), torch.empty(0, dtype=dtype)))
+        (name, pending.get(("module", layout.shared.get(name, name)), torch.empty(0, dtype=dtype)))
         for name, shape, dtype in layout.module)
     frozen = OrderedDict((n, pending[("frozen", n)]) for n, _ in layout.frozen) if topo.zero >= 2 else None
     tree["frozen_param_fragments"] = frozen
     tree["frozen_param_shapes"] = OrderedDict((n, torch.Size(s)) for n, s in layout.frozen) \
         if frozen is not None else None
-    tree["shared_params"] = dict(layout.shared) if rank == 0 else {}
+    tree["shared_params"] = (dict(layout.shared) if rank == 0 else {}) if topo.zero else None
     tree["dp_world_size"] = topo.dp
     if "ds_config" in tree:
         tree["ds_config"] = _config(layout, topo)
@@ -724,6 +767,57 @@ def _optim_states(layout: Layout, topo: Topology, rank: int, pads: list[int], pe
     if "ds_config" in tree:
         tree["ds_config"] = _config(layout, topo)
     return tree
+
+
+FRESH_DS_VERSION = "0.16.0"
+"""``ds_version`` of files written for an hf source: any version from 0.3.17 (ZeRO-1's
+layout change) reads the layout written here; DeepSpeed refuses an empty one."""
+
+
+def _hf_layout(index: CheckpointIndex, target: Topology, param_groups: str) -> Layout:
+    """The structure of the engine a Hugging Face model becomes: its parameters in
+    ``named_parameters()`` order (the hf reader's native index), tied aliases sharing their
+    owner's tensor, no buffers, in ``param_groups`` (``decay``: Megatron's and the HF
+    Trainer's split, weight decay off for biases and 1-D parameters; ``single``)."""
+    from converters.hf import FAMILY_KEY, CONFIG_KEY, spec_from_config, tied_aliases
+
+    for axis in ("tp", "pp", "ep", "vpp"):
+        if getattr(target, axis) != 1:
+            raise TopologyError(f"DeepSpeed output with {axis.upper()}{getattr(target, axis)} is not "
+                                "supported from a Hugging Face model", hint="Keep --tp 1 --pp 1")
+    fresh = FRESH_STEP in index.objects
+    if target.zero and not fresh:
+        raise UsageError(f"a ZeRO-{target.zero} DeepSpeed checkpoint holds optimizer state, and a "
+                         "Hugging Face model has none", path=index.url,
+                         hint="Pass --init-optimizer for a fresh state, or leave out --zero: the "
+                              "model states alone load with load_checkpoint(..., load_module_only=True)")
+    if fresh and not target.zero:
+        raise UsageError("--init-optimizer writes ZeRO optimizer files: give --zero 1, 2 or 3",
+                         path=index.url)
+    family = index.objects[FAMILY_KEY].value
+    spec = spec_from_config(index.objects[CONFIG_KEY].value, family)
+    params = [(k, tuple(t.shape), t.dtype) for k, t in index.tensors.items()
+              if not k.startswith("optimizer.")]
+    aliases = tied_aliases(spec, family)
+    owners = {name: (shape, dtype) for name, shape, dtype in params}
+    module = params + [(alias, *owners[owner]) for alias, owner in aliases.items()]
+    if param_groups == "single":
+        groups = [[(n, s) for n, s, _ in params]]
+    else:
+        groups = [g for g in megatron_groups([(n, len(s)) for n, s, _ in params]) if g]
+        groups = [[(n, owners[n][0]) for n in g] for g in groups]
+    dtypes = {d for _, _, d in params}
+    bf16 = dtypes == {torch.bfloat16}
+    return Layout(
+        tag="global_step0", stage=target.zero, bf16_files=bf16, bf16_optimizer=False,
+        groups=groups, frozen=[], shared=aliases, module=module,
+        model_states=dict(buffer_names=[], optimizer=None, lr_scheduler=None, data_sampler=None,
+                          random_ltd=None, skipped_steps=0, global_steps=0, global_samples=0,
+                          mp_world_size=1, ds_version=FRESH_DS_VERSION),
+        optim_file={"ds_version": FRESH_DS_VERSION},
+        osd={"dynamic_loss_scale": False, "overflow": False, "zero_stage": target.zero,
+             "ds_version": FRESH_DS_VERSION},
+        hyper=[{} for _ in groups], steps=[torch.tensor(0.0) for _ in groups])
 
 
 def _fragments(cls: type, group: Group, dp: int, rank: int, align: int = 1) -> OrderedDict:

@@ -48,6 +48,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 WEIGHT_FILES = (SINGLE, INDEX, "pytorch_model.bin", "pytorch_model.bin.index.json")
 CONFIG_KEY = "hf.config"
+FAMILY_KEY = "hf.family"
 FAMILIES = ("llama", "gpt2")
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "gpt2": "gpt2"}
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
@@ -99,7 +100,8 @@ def family_of(spec: ModelSpec) -> str:
 
 
 def hf_tensors(spec: ModelSpec, family: str, vocab: int) -> list[HfTensor]:
-    """Every tensor of the HF model, with the canonical regions it holds."""
+    """Every tensor of the HF model, with the canonical regions it holds, in the model's
+    ``named_parameters()`` order (the order a DeepSpeed engine flattens them in)."""
     h, rows = spec.hidden_size, spec.global_vocab_rows
     emb_shape = (rows, h)
     out = []
@@ -112,16 +114,16 @@ def hf_tensors(spec: ModelSpec, family: str, vocab: int) -> list[HfTensor]:
                    ((spec.num_attention_heads + 2 * spec.groups) * spec.head_dim, h))
             fc1 = (p + "mlp.linear_fc1.weight", (2 * spec.ffn, h))
             out += [
-                _whole(m + "input_layernorm.weight", p + "self_attention.linear_qkv.layer_norm_weight", (h,)),
                 *[HfTensor(m + f"self_attn.{x}_proj.weight",
                            (sum(n for _, n in _qkv_blocks(spec, x, True)), h),
                            _rows(*qkv, _qkv_blocks(spec, x, True))) for x in "qkv"],
                 _whole(m + "self_attn.o_proj.weight", p + "self_attention.linear_proj.weight",
                        (h, spec.num_attention_heads * spec.head_dim)),
-                _whole(m + "post_attention_layernorm.weight", p + "mlp.linear_fc1.layer_norm_weight", (h,)),
                 HfTensor(m + "mlp.gate_proj.weight", (spec.ffn, h), _rows(*fc1, [(0, spec.ffn)])),
                 HfTensor(m + "mlp.up_proj.weight", (spec.ffn, h), _rows(*fc1, [(spec.ffn, spec.ffn)])),
                 _whole(m + "mlp.down_proj.weight", p + "mlp.linear_fc2.weight", (h, spec.ffn)),
+                _whole(m + "input_layernorm.weight", p + "self_attention.linear_qkv.layer_norm_weight", (h,)),
+                _whole(m + "post_attention_layernorm.weight", p + "mlp.linear_fc1.layer_norm_weight", (h,)),
             ]
         out.append(_whole("model.norm.weight", f"{FINAL_NORM}.weight", (h,)))
         if not spec.tied_embeddings:
@@ -155,6 +157,14 @@ def hf_tensors(spec: ModelSpec, family: str, vocab: int) -> list[HfTensor]:
                 _whole("transformer.ln_f.bias", f"{FINAL_NORM}.bias", (h,))]
         return out
     raise UsageError(f"unknown model family {family!r}", hint=f"Use one of {', '.join(FAMILIES)}")
+
+
+def tied_aliases(spec: ModelSpec, family: str) -> dict[str, str]:
+    """State-dict names the HF model ties to another parameter (safetensors stores the owner
+    only): ``{alias: owner}``."""
+    if not spec.tied_embeddings:
+        return {}
+    return {"lm_head.weight": "transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight"}
 
 
 # --------------------------------------------------------------------------- config.json
@@ -290,6 +300,16 @@ class HfReader(Reader):
         self.model_family = model_family
 
     def read_index(self, store: Store) -> CheckpointIndex:
+        return self._stored(store)[1]
+
+    def native(self, store: Store, index: CheckpointIndex) -> CheckpointIndex:
+        """The model's tensors under their HF names, in ``named_parameters()`` order."""
+        stored, _, table = self._stored(store)
+        stored.tensors = {e.name: stored.tensors[e.name] for e in table}
+        return stored
+
+    def _stored(self, store: Store) -> tuple[CheckpointIndex, CheckpointIndex, list[HfTensor]]:
+        """(the index under stored names, the canonical index, the family's table)."""
         try:
             config = json.loads(store.read_bytes(CONFIG))
         except ValueError:
@@ -308,13 +328,14 @@ class HfReader(Reader):
                 raise BadCheckpoint(f"{name} is not in {file}", path=store.display(file))
             stored.tensors[name] = TensorInfo(name, tuple(entry.shape), entry.dtype, [
                 Piece(Region.whole(name, tuple(entry.shape)), Location(file, detail=name))])
-        view = remap(stored, hf_tensors(spec, family, spec.vocab_size))
+        table = hf_tensors(spec, family, spec.vocab_size)
+        view = remap(stored, table)
         if view.missing:
             raise BadCheckpoint(f"{len(view.missing)} tensors of a {family} model are missing, e.g. "
                                 f"{', '.join(view.missing[:3])}", path=store.url)
-        index = view.index
-        index.objects[CONFIG_KEY] = ObjectInfo(CONFIG_KEY, value=config)
-        return index
+        stored.objects[CONFIG_KEY] = view.index.objects[CONFIG_KEY] = ObjectInfo(CONFIG_KEY, value=config)
+        stored.objects[FAMILY_KEY] = ObjectInfo(FAMILY_KEY, value=family)
+        return stored, view.index, table
 
     def _weight_map(self, store: Store) -> dict[str, str]:
         if store.exists(INDEX):
@@ -429,7 +450,7 @@ class HfWriter(Writer):
         family = self.model_family or family_of(spec)
         self._family, self._spec = family, spec
         tensors = hf_tensors(spec, family, self._vocab)
-        self._dtype = self.dtype or _common_dtype(index, tensors)
+        self._dtype = self.dtype or index.model_dtype or _common_dtype(index, tensors)
         shards = {t.name: _weights(index, t.shard) for t in tensors}
         groups: list[list[HfTensor]] = [[]]
         size = 0

@@ -24,8 +24,10 @@ the fp32 masters), and ``common.pt`` holds the rest (:func:`read_sharded_common`
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
 
 from ckptool.core.errors import UnreadableInput
 
@@ -270,3 +272,48 @@ def state_shard(kind: str, shard):
 
     parts = tuple((off, replace(r, key=state_key(kind, r.key))) for off, r in shard.parts)
     return Shard(shard.shape, parts, shard.dtype)
+
+
+# ----------------------------------------------------------- a fresh state (--init-optimizer)
+
+FRESH_STEP = "optimizer.fresh_step"
+"""Object of an index given a fresh state: the step every param group starts at (0)."""
+_ZEROS = "zeros"
+
+
+def with_fresh_state(opened):
+    """``opened`` (a weights-only source) with a fresh Adam state for every tensor, the
+    state a torch Adam/AdamW has before its first step: an fp32 master equal to the weight,
+    both moments zero, step 0. Only ``convert --init-optimizer`` asks for it."""
+    from ckptool.checkpoint import Opened
+    from ckptool.core.index import Location, ObjectInfo, Piece, TensorInfo
+    from ckptool.core.regions import Region
+
+    index = replace(opened.index, tensors=dict(opened.index.tensors),
+                    objects=dict(opened.index.objects))
+    for key, info in opened.index.tensors.items():
+        master = state_key("fp32_param", key)
+        index.tensors[master] = TensorInfo(master, info.shape, torch.float32, [
+            Piece(replace(p.region, key=master), p.location) for p in info.pieces])
+        for kind in ("exp_avg", "exp_avg_sq"):
+            k = state_key(kind, key)
+            index.tensors[k] = TensorInfo(k, info.shape, torch.float32, [
+                Piece(Region.whole(k, info.shape), Location("", detail=_ZEROS))])
+    index.objects[FRESH_STEP] = ObjectInfo(FRESH_STEP, value=0)
+    return Opened(opened.store, opened.format, _FreshReader(opened.reader), opened.manifest, index)
+
+
+class _FreshReader:
+    """The source's reader, with zeros for the fresh moments (which no file holds)."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+
+    def read_box_into(self, store, piece, dtype, box, out) -> None:
+        if piece.location.detail == _ZEROS and not piece.location.file:
+            out.zero_()
+        else:
+            self.inner.read_box_into(store, piece, dtype, box, out)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)

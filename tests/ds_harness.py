@@ -228,12 +228,12 @@ HF_CONFIGS = {
 }
 
 
-def hf_model(family: str):
+def hf_model(family: str, seed: int = 0):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(HF_CONFIGS[family])
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
 
 
@@ -270,6 +270,67 @@ def _hf_save_worker(rank: int, dp: int, root: str, jobs: list[tuple[str, int, st
         if rank == 0:
             model.config.save_pretrained(out)
             torch.save(logits, f"{out}.logits.pt")
+
+
+def fp32_masters(eng) -> dict:
+    """The fp32 master of every trainable parameter by name (collective at ZeRO-3); unlike
+    :func:`full_state` it needs no optimizer state (an engine before its first step)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {name: safe_get_full_fp32_param(p).detach().clone()
+            for name, p in eng.module.named_parameters() if p.requires_grad}
+
+
+def _hf_groups(model, groups: str):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if groups == "single":
+        return params
+    return [{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.01},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _hf_start_worker(rank: int, dp: int, jobs: list[tuple], port: int) -> None:
+    """Per ``(family, stage, groups, checkpoint, how, result)``: an engine built from the HF
+    model itself (the reference), and one built from other weights that loads ``checkpoint``
+    (``how``: ``module`` = load_module_only, ``fresh`` = no optimizer states); each records
+    its fp32 masters and logits, then takes the same training step."""
+    import deepspeed
+
+    _init(rank, dp, port)
+    for family, stage, groups, ckpt, how, result in jobs:
+        out = {}
+        for name, seed in (("reference", 0), ("loaded", 1)):
+            model = hf_model(family, seed)
+            eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=_hf_groups(model, groups),
+                                                config=config(stage, dp))
+            if name == "loaded":
+                if how == "module":
+                    eng.load_checkpoint(ckpt, load_module_only=True)
+                else:
+                    eng.load_checkpoint(ckpt, load_optimizer_states=False,
+                                        load_lr_scheduler_states=False)
+            vocab = model.config.vocab_size
+            masters = fp32_masters(eng)
+            eng.eval()
+            with torch.no_grad():
+                logits = eng(input_ids=hf_tokens(vocab, NEXT_STEP)).logits
+            eng.train()
+            torch.manual_seed(1234 + rank)  # GPT-2's dropout: the same masks in both engines
+            share = GLOBAL_BATCH // dp
+            tok = hf_tokens(vocab, 0)[rank * share:(rank + 1) * share]
+            loss = eng(input_ids=tok, labels=tok).loss
+            eng.backward(loss)
+            eng.step()
+            out[name] = {"masters": masters, "logits": logits, "loss": loss.item(),
+                         "after": fp32_masters(eng)}
+            del eng
+        if rank == 0:
+            torch.save(out, result)
+
+
+def hf_start(dp: int, jobs: list[tuple]) -> None:
+    """Run :func:`_hf_start_worker` jobs at ``dp``."""
+    _spawn(_hf_start_worker, dp, [tuple(str(x) if isinstance(x, Path) else x for x in j) for j in jobs])
 
 
 def hf_run_name(family: str, stage: int, precision: str = "fp32") -> str:

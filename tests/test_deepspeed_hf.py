@@ -67,8 +67,9 @@ def test_deepspeed_to_hf_loads_with_the_same_logits(runs, run_cli, tmp_path, fam
 @pytest.mark.parametrize("stage", (2, 3))
 def test_bf16_run_gives_its_fp32_masters_or_its_bf16_weights(runs, run_cli, tmp_path, stage):
     """A bf16 run: `--dtype fp32` gives the fp32 masters (bit-equal to zero_to_fp32). The
-    default is the stored weights' dtype: bf16 at ZeRO-2 (the masters rounded, the module's own
-    weights); fp32 at ZeRO-3, whose fp32 partitions are the only stored copy."""
+    default is the model's dtype, bf16, at every stage: at ZeRO-2 the module's own weights, at
+    ZeRO-3 (whose fp32 partitions are the only stored copy) the masters rounded as DeepSpeed
+    rounds them into its bf16 parameters."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
@@ -79,7 +80,7 @@ def test_bf16_run_gives_its_fp32_masters_or_its_bf16_weights(runs, run_cli, tmp_
     fp32 = load_file(tmp_path / "fp32" / "model.safetensors")
     bf16 = load_file(tmp_path / "bf16" / "model.safetensors")
     assert masters.keys() == fp32.keys() == bf16.keys()
-    default = torch.bfloat16 if stage < 3 else torch.float32
+    default = torch.bfloat16
     for name, value in masters.items():
         assert torch.equal(fp32[name], value), name
         assert bf16[name].dtype == default and torch.equal(bf16[name], value.to(default)), name

@@ -126,7 +126,9 @@ def test_unknown_true_vocab_keeps_every_stored_row(tmp_path, run_cli):
 
 
 @pytest.mark.parametrize("fmt,topo", [("megatron", ["--tp", "2", "--pp", "2"]),
-                                      ("megatron-dist", ["--tp", "2"]), ("dcp", ["--dp", "3"])])
+                                      ("megatron-dist", ["--tp", "2"]), ("dcp", ["--dp", "3"]),
+                                      ("deepspeed", []),
+                                      ("deepspeed", ["--zero", "3", "--dp", "2", "--init-optimizer"])])
 def test_hf_round_trip_through_each_format_is_bit_exact(fmt, topo, llama, tmp_path, run_cli):
     root, _ = llama
     mid, back = tmp_path / "mid", tmp_path / "back"

@@ -82,6 +82,9 @@ class CheckpointIndex:
     format_version: str | None = None
     written_by_ckptool: bool = False
     """The format's own metadata carries ckptool's mark: without a manifest it is uncommitted."""
+    model_dtype: torch.dtype | None = None
+    """The dtype of the model's weights in training, where the only stored copy has another
+    (a bf16 ZeRO-3 run stores fp32 partitions): what weights-only output defaults to."""
     unmapped: str | None = None
     """Why state the source holds could not be mapped to global tensors (e.g. an optimizer
     layout ckptool cannot derive): every writer refuses it unless it is dropped on request."""
@@ -111,6 +114,12 @@ class Reader:
         ``read_index`` gives the format's own names (a DeepSpeed module's); None when the
         names are canonical already or nothing says how to map them. Its pieces are read
         through :class:`ckptool.core.view.ViewReader`."""
+        return None
+
+    def native(self, store: Store, index: CheckpointIndex) -> CheckpointIndex | None:
+        """The index under the names the format stores (a Hugging Face model's), for writing
+        a format that keeps them (a DeepSpeed engine's module), when ``read_index`` gives
+        canonical names; None when its names are the stored ones already."""
         return None
 
     def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
@@ -150,7 +159,10 @@ class Writer:
     """False for weights-only formats (hf): optimizer state is then left out, and said so."""
     canonical_source: bool = True
     """The source is read under canonical names (``Reader.canonical``) when it is another
-    format; False for a writer of the source's own names (DeepSpeed universal: the module's)."""
+    format; False for a writer of the source's own names (DeepSpeed: the module's), which
+    reads another format under its stored names (``Reader.native``)."""
+    fresh_optimizer: bool = False
+    """It can write a fresh optimizer state for a weights-only source (``--init-optimizer``)."""
 
     def configure(self, **options) -> None:
         """Format options (e.g. hf's ``max_shard_size``); a writer takes only its own."""

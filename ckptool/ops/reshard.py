@@ -80,6 +80,7 @@ def convert(src: str, dst: str, *, to_format: str, to: dict | None = None, worke
             dry_run: bool = False, overwrite: bool = False, true_vocab_size: int | None = None,
             drop_optimizer: bool = False, names: str | None = None, model_family: str | None = None,
             model_config: str | None = None, options: dict | None = None,
+            init_optimizer: bool = False,
             progress: Callable[[int], object] | None = None) -> ReshardResult:
     """Write checkpoint ``src`` at ``dst`` in format ``to_format`` (topology per ``to``).
 
@@ -88,6 +89,8 @@ def convert(src: str, dst: str, *, to_format: str, to: dict | None = None, worke
     ``model_family`` names the Hugging Face family (``llama``, ``gpt2``) where it cannot be
     inferred; ``model_config`` is a Hugging Face ``config.json`` for a source that does not say
     what model it holds (a DeepSpeed checkpoint without one beside ``latest``); ``options`` are the target format's own (hf: ``max_shard_size``, ``dtype``).
+    ``init_optimizer`` gives a weights-only source a fresh optimizer state (fp32 masters,
+    zero moments, step 0) where the target format holds one; never done unasked.
     """
     opened = open_checkpoint(src, model_family=model_family, model_config=model_config)
     options = {k: v for k, v in (options or {}).items() if v is not None}
@@ -96,20 +99,22 @@ def convert(src: str, dst: str, *, to_format: str, to: dict | None = None, worke
     return rewrite(opened, dst, to_format, to={k: v for k, v in (to or {}).items() if v is not None},
                    workers=workers, dry_run=dry_run, overwrite=overwrite,
                    true_vocab_size=true_vocab_size, drop_optimizer=drop_optimizer, names=names,
-                   options=options, progress=progress)
+                   options=options, init_optimizer=init_optimizer, progress=progress)
 
 
 def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None = None,
             workers: int = 1, dry_run: bool = False, overwrite: bool = False,
             true_vocab_size: int | None = None, drop_optimizer: bool = False,
-            names: str | None = None, options: dict | None = None,
+            names: str | None = None, options: dict | None = None, init_optimizer: bool = False,
             progress: Callable[[int], object] | None = None) -> ReshardResult:
     """The one path for reshard and convert: plan the target files, fill them region by
     region from the source, commit atomically."""
     started = time.perf_counter()
     writer = converters.writer(fmt)
-    if fmt != opened.format and writer.canonical_source:
-        opened = opened.canonical()
+    if fmt != opened.format:
+        opened = opened.canonical() if writer.canonical_source else opened.native()
+    if init_optimizer:
+        opened = _fresh_optimizer(opened, writer, drop_optimizer)
     index = opened.index
     source_topo = index.topology
     if source_topo is None:
@@ -408,6 +413,25 @@ class _Remote:
 
 
 _JOURNAL_LOCK = threading.Lock()
+
+
+def _fresh_optimizer(opened: Opened, writer, drop_optimizer: bool) -> Opened:
+    """``--init-optimizer``: a fresh optimizer state for a weights-only source."""
+    from converters.megatron_optimizer import with_fresh_state
+
+    if drop_optimizer:
+        raise UsageError("--init-optimizer and --drop-optimizer contradict each other")
+    if not writer.fresh_optimizer:
+        raise UsageError(f"--init-optimizer does not apply to {writer.name} output",
+                         hint="Megatron builds a fresh optimizer itself when it loads weights only "
+                              "(--finetune or --no-load-optim); a DCP job builds its own. "
+                              "Supported: deepspeed")
+    held = sum(k.startswith(OPTIMIZER_PREFIX) for k in opened.index.tensors)
+    if held or opened.index.unmapped:
+        raise UsageError(f"the source holds optimizer state already ({held} tensors); "
+                         "--init-optimizer would replace it", path=opened.store.url,
+                         hint="Drop --init-optimizer to carry the source's state")
+    return with_fresh_state(opened)
 
 
 def _refuse_unwritten(index, plan, fmt: str, drop_optimizer: bool) -> None:
