@@ -155,14 +155,17 @@ def main() -> None:
               f"(made in {time.perf_counter() - t:.0f}s); largest tensor {largest / 1e9:.2f} GB")
         subprocess.run(["cat", *map(str, src.rglob("*.pt"))], stdout=subprocess.DEVNULL, check=True)
 
-        ckptool = str(Path(sys.executable).parent / "ckptool")
+        # `python -m ckptool` from this checkout: no install needed (a bare GPU node, say)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
         os.sync()
         t_cp, rss_cp = run(["cp", "-r", str(src), str(base / "cp")])
         os.sync()
         t_cps, _ = run(["sh", "-c", f"cp -r '{src}' '{base / 'cp2'}' && sync"])
         os.sync()
-        t_ck, rss_ck = run([ckptool, "reshard", str(src), str(base / "ckptool"), "--tp", "4", "--pp", "2",
-                            "--to-tp", "2", "--pp", "4", "--workers", str(args.workers), "-q"])
+        t_ck, rss_ck = run([sys.executable, "-m", "ckptool", "reshard", str(src), str(base / "ckptool"),
+                            "--tp", "4", "--pp", "2", "--to-tp", "2", "--pp", "4",
+                            "--workers", str(args.workers), "-q"], env=env)
         os.sync()
         t_nv, rss_nv = run([sys.executable, "-c", NAIVE, str(src), str(base / "naive"), str(REPO)])
         identical = same_tensors(base / "naive", base / "ckptool")
@@ -172,7 +175,8 @@ def main() -> None:
             t_multi, _ = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                               str(args.procs), "--master_addr", "127.0.0.1", "--master_port", "29561",
                               "-m", "ckptool", "reshard", str(src), str(base / "multi"), "--to-tp", "2",
-                              "--to-pp", "4", "--workers", str(max(1, args.workers // args.procs)), "-q"])
+                              "--to-pp", "4", "--workers", str(max(1, args.workers // args.procs)), "-q"],
+                             env=env)
             same = subprocess.run(["diff", "-r", "-x", "ckptool.json", str(base / "ckptool"),
                                    str(base / "multi")], stdout=subprocess.DEVNULL).returncode == 0
 

@@ -46,16 +46,37 @@ ReadBox = Callable[[Piece, torch.dtype, tuple, torch.Tensor], None]
 """Write global ``box`` (inside the piece's region) of a stored piece into a view."""
 
 
+class Scratch:
+    """One reusable buffer for tensors that are produced, written and dropped one at a time
+    (a writer's ``produce``). Filling memory that is already mapped saves the page faults
+    and the kernel's zeroing of a fresh allocation per tensor: a third of a reshard's time
+    when the output goes to the page cache."""
+
+    def __init__(self):
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` over the buffer, valid until the next take."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self._buf.numel() < nbytes:
+            self._buf = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buf[:nbytes].view(dtype).view(shape)
+
+
 def fill_tensor(t: TargetTensor, index: CheckpointIndex, read_box: ReadBox,
-                pad_value: float = 0.0) -> torch.Tensor:
+                pad_value: float = 0.0, scratch: Scratch | None = None) -> torch.Tensor:
     """Materialize one target tensor from the source pieces, reading only the overlaps.
 
     Elements that belong to no region (padding) get ``pad_value``. Raises BadCheckpoint
-    if a region is not fully covered by the source.
+    if a region is not fully covered by the source. With ``scratch`` the result lives in
+    its buffer, valid until the next tensor is taken from it.
     """
     covered = sum(r.numel for r in t.shard.regions) == math.prod(t.shard.shape)
-    buf = torch.empty(t.shard.shape, dtype=t.dtype) if covered else \
-        torch.full(t.shard.shape, pad_value, dtype=t.dtype)
+    buf = scratch.take(t.shard.shape, t.dtype) if scratch is not None else \
+        torch.empty(t.shard.shape, dtype=t.dtype)
+    if not covered:
+        buf.fill_(pad_value)
     fill_into(t.shard, buf, index, read_box)
     return buf
 

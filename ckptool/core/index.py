@@ -147,7 +147,8 @@ class Writer:
     """A format's writer, driven by the one rewrite path (``ckptool.ops.reshard.rewrite``).
 
     ``plan`` lists the target files and the shards each holds; ``write_file`` writes one
-    (``produce(target_tensor)`` fills each tensor from the source, one at a time) and
+    (``produce(target_tensor)`` fills each tensor from the source, one at a time: a tensor
+    is valid until the next ``produce``, so it must be written before the next is asked for) and
     returns ``(size, xxh3-128)``; ``finalize`` runs once after every file is written and
     returns the further files it wrote. A writer says what it cannot carry
     (``unsupported_state``), so nothing is dropped silently, and what a user resuming

@@ -17,7 +17,7 @@ from typing import Callable
 
 import converters
 from ckptool.checkpoint import Opened, open_checkpoint
-from ckptool.core.engine import bytes_read, fill_tensor
+from ckptool.core.engine import Scratch, bytes_read, fill_tensor
 from ckptool.core.errors import CkptoolError, UsageError, UnsupportedFormat
 from ckptool.core.layout import check as check_layout
 from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifest
@@ -175,6 +175,12 @@ def _write_output(opened, dst, fmt, group, writer, plan, index, spec, target_top
             opened.reader.read_box_into(opened.store, piece, dtype, box, out_view)
 
         done = _journal(store)
+        local = threading.local()  # one scratch buffer per worker thread
+
+        def produce(t):
+            if not hasattr(local, "scratch"):
+                local.scratch = Scratch()
+            return fill_tensor(t, index, read_box, scratch=local.scratch)
 
         def write_one(target):
             entry = _reusable(store, target, done)
@@ -185,8 +191,7 @@ def _write_output(opened, dst, fmt, group, writer, plan, index, spec, target_top
                     with _JOURNAL_LOCK:
                         writer.absorb({target.path: record})
             else:
-                size, digest = writer.write_file(store, target,
-                                                 lambda t: fill_tensor(t, index, read_box), index,
+                size, digest = writer.write_file(store, target, produce, index,
                                                  true_vocab_size or index.true_vocab_size)
                 entry = FileEntry(target.path, size, digest)
                 _record(store, group.rank, entry, writer.records().get(target.path))
