@@ -51,6 +51,7 @@ from ckptool.core.torchreader import TorchFileReader, save_target
 from converters.deepspeed_pipe import PIPELINE_KEY, PipelineWriter, is_pipeline, read_pipeline
 from converters.megatron_optimizer import FRESH_STEP, state_key
 from converters.megatron_optimizer import groups as megatron_groups
+from converters.megatron_optimizer import no_decay
 
 NAME = "deepspeed"
 LATEST = "latest"
@@ -318,10 +319,10 @@ class DeepSpeedReader(TorchFileReader):
             if key in ms:
                 index.objects[key] = ObjectInfo(key, value=self._load(store, first).materialize(ms[key]))
         if stage == 0:
-            self._read_module(store, index, first, ms, _aliases(module))
+            aliases = _aliases(module)
+            self._read_module(store, index, first, ms, aliases)
             if ms.get("optimizer"):
-                index.unmapped = ("DeepSpeed stage-0 optimizer state is a torch state dict that does "
-                                  "not name its parameters")
+                self._read_stage0_optimizer(store, index, tag, first, ms, aliases)
             return index
         model_rels = _ranks(zero3, dp, "ZeRO-3 model-states", where) if zero3 else [first]
         layout = self._layout(store, tag, stage, first, optim, osd)
@@ -391,6 +392,49 @@ class DeepSpeedReader(TorchFileReader):
             hyper=[{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]],
             steps=[archive.materialize(base["state"][g].get("step")) for g in range(len(groups))],
             fragment_type=type(fragments[0]) if fragments else None, align=align)
+
+    def _read_stage0_optimizer(self, store, index, tag, rel, ms, aliases) -> None:
+        """A stage-0 engine's optimizer: the client's torch optimizer state dict, which numbers
+        parameters by position across its param groups. Mapped to names by :func:`stage0_groups`;
+        the fp32 weights are the module's (no separate masters), as at ZeRO-3."""
+        archive = self._load(store, rel)
+        mapped = stage0_groups(ms, aliases)
+        if isinstance(mapped, str):
+            index.unmapped = f"DeepSpeed stage-0 optimizer state: {mapped}"
+            return
+        groups, order, frozen = mapped
+        osd = ms["optimizer"]
+        steps = []
+        for g, group in enumerate(groups):
+            values = {repr(archive.materialize(osd["state"][order[n]].get("step"))) for n, _ in group}
+            if len(values) > 1:
+                index.unmapped = f"DeepSpeed stage-0 optimizer state: steps differ within param group {g}"
+                return
+            steps.append(archive.materialize(osd["state"][order[group[0][0]]].get("step")) if group else 0)
+        module = ms["module"]
+        layout = Layout(
+            tag=tag or "global_step%d" % (_int(ms.get("global_steps")) or 0), stage=0,
+            bf16_files=False, bf16_optimizer=False, groups=groups, frozen=frozen, shared=aliases,
+            module=[(n, tuple(v.shape), v.dtype) for n, v in module.items()],
+            model_states=archive.materialize({k: v for k, v in ms.items()
+                                              if k not in ("module", "optimizer")}),
+            optim_file={"ds_version": ms.get("ds_version")},
+            osd={"loss_scaler": _loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
+                 "zero_stage": 0, "ds_version": ms.get("ds_version")},
+            hyper=[{k: archive.materialize(v) for k, v in pg.items() if k != "params"}
+                   for pg in osd["param_groups"]], steps=steps)
+        index.objects[LAYOUT_KEY] = ObjectInfo(LAYOUT_KEY, value=layout)
+        index.objects["optimizer.step"] = ObjectInfo("optimizer.step", value=steps)
+        index.objects["optimizer.param_groups"] = ObjectInfo("optimizer.param_groups", value=layout.hyper)
+        for name, shape in (p for group in groups for p in group):
+            for kind in MOMENTS:
+                ref = osd["state"][order[name]].get(kind)
+                if not isinstance(ref, TensorRef) or tuple(ref.shape) != shape:
+                    raise BadCheckpoint(f"{kind} of {name} is not a tensor of its shape {list(shape)}",
+                                        path=store.display(rel))
+                key = state_key(kind, name)
+                _add(index, key, ref, Region.whole(key, shape), rel,
+                     ("optimizer", "state", order[name], kind), 0)
 
     def _read_module(self, store, index, rel, ms, shared) -> None:
         """Stages 0-2: every ``module`` entry is a full tensor; aliases (and stage 2's frozen
@@ -476,6 +520,85 @@ def _add(index: CheckpointIndex, key: str, ref: TensorRef, region: Region, rel: 
     (info.replicas if replica else info.pieces).append(Piece(region, Location(rel, detail=(path, offset))))
 
 
+def stage0_groups(ms: dict, aliases: dict[str, str]):
+    """The param groups of a stage-0 engine's torch optimizer, by name: ``(groups, {name:
+    state index}, frozen)``, or why they cannot be known.
+
+    A torch state dict numbers parameters across its groups in order. The candidates are the
+    module's parameters in ``named_parameters()`` order (its state dict without
+    ``buffer_names`` and tied aliases). Two grouping rules are tried: one group, and the
+    weight-decay split (biases and 1-D parameters apart, as the HF Trainer and Megatron do).
+    A group may skip candidates (frozen parameters are in no group), so its stored moment
+    shapes must be a subsequence of the rule's candidates, and the only one: an ambiguous
+    or failed match is refused, never guessed."""
+    osd = ms.get("optimizer")
+    if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict) or \
+            not isinstance(osd.get("param_groups"), list):
+        return "not a torch optimizer state dict (fp16's FP16_Optimizer is not read yet)"
+    buffers = set(ms.get("buffer_names") or ())
+    candidates = [(n, tuple(v.shape)) for n, v in ms["module"].items()
+                  if n not in buffers and n not in aliases]
+    stored = []
+    for g, pg in enumerate(osd["param_groups"]):
+        shapes = []
+        for i in pg.get("params") or ():
+            ref = (osd["state"].get(i) or {}).get("exp_avg")
+            if not isinstance(ref, TensorRef):
+                return f"parameter {i} of param group {g} has no Adam state (saved before the first step?)"
+            shapes.append((i, tuple(ref.shape)))
+        stored.append(shapes)
+    rules = {1: [candidates],
+             2: [[c for c in candidates if not no_decay(c[0], len(c[1]))],
+                 [c for c in candidates if no_decay(c[0], len(c[1]))]]}
+    pools = rules.get(len(stored))
+    if pools is None:
+        return (f"{len(stored)} param groups: only one group or the weight-decay split (2) "
+                "can be mapped to names")
+    groups, order = [], {}
+    for g, (shapes, pool) in enumerate(zip(stored, pools)):
+        picked = _unique_subsequence([s for _, s in shapes], [s for _, s in pool])
+        if picked is None:
+            return (f"param group {g}'s {len(shapes)} parameters do not match the model's "
+                    f"{'parameters' if len(stored) == 1 else ('weight-decay' if g == 0 else 'no-decay') + ' parameters'} "
+                    "in one way only")
+        groups.append([pool[j] for j in picked])
+        order.update({pool[j][0]: i for j, (i, _) in zip(picked, shapes)})
+    frozen = [c for c in candidates if c[0] not in order]
+    return groups, order, frozen
+
+
+def _unique_subsequence(want: list, pool: list) -> list[int] | None:
+    """Positions in ``pool`` where ``want`` occurs as a subsequence, if exactly one way."""
+    n, m = len(want), len(pool)
+    # ways[i][j]: embeddings of want[i:] into pool[j:] (capped at 2)
+    ways = [[0] * (m + 1) for _ in range(n + 1)]
+    for j in range(m + 1):
+        ways[n][j] = 1
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            ways[i][j] = min(2, ways[i][j + 1] + (ways[i + 1][j + 1] if want[i] == pool[j] else 0))
+    if ways[0][0] != 1:
+        return None
+    picked, j = [], 0
+    for i in range(n):
+        while not (want[i] == pool[j] and ways[i + 1][j + 1] == 1 and ways[i][j + 1] == 0):
+            j += 1
+        picked.append(j)
+        j += 1
+    return picked
+
+
+def _loss_scaler():
+    """DeepSpeed's static ``LossScaler(scale=1)`` of an fp32 engine, which ZeRO-3 files carry
+    (never imported: pickled under its name)."""
+    from ckptool.core.torchfile import _opaque_class
+
+    cls = _opaque_class("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+    scaler = cls.__new__(cls)
+    scaler.__setstate__({"cur_scale": 1.0, "dynamic": False})
+    return scaler
+
+
 def _aliases(module: dict) -> dict[str, str]:
     """Tied entries of a state dict that records no ``shared_params`` (stage 0): torch.save
     stores a tied tensor once, so later names of the same tensor are aliases of the first."""
@@ -539,10 +662,6 @@ class DeepSpeedWriter(Writer):
                 raise TopologyError(f"DeepSpeed output with {axis.upper()}{getattr(target, axis)} is "
                                     "not supported yet", hint="Only mp=1 engines without pipeline "
                                     "are written; keep --to-tp 1 --to-pp 1")
-        if source.zero == 0 or target.zero == 0:
-            raise TopologyError("DeepSpeed output is written only from a DeepSpeed ZeRO checkpoint, "
-                                "at ZeRO-1/2/3",
-                                hint="Stage-0 checkpoints load at any DP size as they are")
 
     def target_spec(self, index, source, target, true_vocab_size):
         if PIPELINE_KEY in index.objects:
@@ -553,10 +672,18 @@ class DeepSpeedWriter(Writer):
         else:
             self._check_topology(source, target)
             if LAYOUT_KEY not in index.objects:
-                raise UsageError(f"DeepSpeed output is written only from a DeepSpeed ZeRO checkpoint "
+                if index.format == NAME and source.zero == 0:
+                    raise TopologyError("this stage-0 checkpoint holds no optimizer state: it loads "
+                                        "at any DP size as it is", path=index.url)
+                raise UsageError(f"DeepSpeed output is written only from a DeepSpeed checkpoint "
                                  f"or a Hugging Face model, not from {index.format}", path=index.url)
             self._source = index.objects[LAYOUT_KEY].value
         layout = self._source
+        if target.zero == 0 and index.format != "hf" and (layout.bf16_files or layout.bf16_optimizer or any(
+                d != torch.float32 for n, _, d in layout.module if n in layout.trainable)):
+            raise TopologyError("a bf16 or fp16 engine without ZeRO keeps its state in "
+                                "BF16_Optimizer/FP16_Optimizer files; stage-0 output is written for "
+                                "fp32 engines only", path=index.url, hint="Keep --to-zero 1 or more")
         if layout.bf16_optimizer and target.zero != 1:
             raise TopologyError("BF16_Optimizer checkpoints stay at ZeRO-1", path=index.url)
         if target.zero == 3:
@@ -589,11 +716,12 @@ class DeepSpeedWriter(Writer):
             raise UsageError("DeepSpeed ZeRO checkpoints keep the fp32 weights in the optimizer "
                              "files, so --drop-optimizer cannot apply", path=index.url,
                              hint="Convert to hf or dcp for the weights alone")
+        self._with_optimizer = with_optimizer
         layout = self._target = _ordered_for(self._source, index.topology, topo)
         tag, files = layout.tag, []
         if topo.zero < 3:
             files.append(self._model_file(f"{tag}/mp_rank_00_model_states.pt", index, layout, topo, 0))
-        if topo.zero == 0:  # an hf source without --init-optimizer: the module alone
+        if topo.zero == 0:  # stage 0: the model states hold the optimizer too
             return files
         prefix = "bf16_" if layout.bf16_files else ""
         for rank in range(topo.dp):
@@ -606,13 +734,23 @@ class DeepSpeedWriter(Writer):
 
     def _model_file(self, path, index, layout: Layout, topo: Topology, rank: int) -> TargetFile:
         """Model states: ``module`` (full tensors; at ZeRO-3 only buffers) and, from stage 2,
-        the frozen parameters (ZeRO-3: this rank's slice)."""
+        the frozen parameters (ZeRO-3: this rank's slice). At stage 0 the trainable weights
+        are the fp32 masters and ``optimizer`` is the torch optimizer's state dict."""
         target = TargetFile(path, context={"kind": "model", "rank": rank, "topo": topo})
         for name, shape, dtype in layout.module:
             if topo.zero == 3 and name in layout.params or name in layout.shared:
                 continue  # an alias is its owner's tensor (_model_states)
+            key = _state_key(index, "fp32_param", name) if topo.zero == 0 and name in layout.trainable \
+                else name
             target.tensors.append(TargetTensor(("module", name), Shard.of(
-                Region.whole(name, index.tensors[name].shape)), index.tensors[name].dtype))
+                Region.whole(key, index.tensors[name].shape)), index.tensors[name].dtype))
+        if topo.zero == 0 and self._with_optimizer and \
+                state_key("exp_avg", next(iter(layout.trainable), "")) in index.tensors:
+            for name, shape in (p for group in layout.groups for p in group):
+                for kind in MOMENTS:
+                    key = state_key(kind, name)
+                    target.tensors.append(TargetTensor(("optim", name, kind), Shard.of(
+                        Region.whole(key, shape)), index.tensors[key].dtype))
         if topo.zero >= 2:
             for name, shape in layout.frozen:
                 shard = zero3_partition([(name, shape)], topo.dp, rank) if topo.zero == 3 else \
@@ -676,9 +814,9 @@ def _ordered_for(layout: Layout, source: Topology, target: Topology) -> Layout:
     if not config.get("round_robin_gradients") or layout.bf16_optimizer:
         return layout
     groups = layout.groups
-    if source.zero < 3:
+    if source.zero in (1, 2):  # stage 0 and 3 keep the model's order
         groups = [round_robin_undone(g, source.dp) for g in groups]
-    if target.zero < 3:
+    if target.zero in (1, 2):
         groups = [round_robin(g, target.dp) for g in groups]
     return replace(layout, groups=groups)
 
@@ -724,11 +862,31 @@ def _model_states(layout: Layout, topo: Topology, rank: int, pending: dict) -> d
     tree["frozen_param_shapes"] = OrderedDict((n, torch.Size(s)) for n, s in layout.frozen) \
         if frozen is not None else None
     tree["shared_params"] = (dict(layout.shared) if rank == 0 else {}) if topo.zero else None
+    if topo.zero == 0:
+        tree["optimizer"] = _torch_optimizer(layout, pending)
     tree["dp_world_size"] = topo.dp
     if "ds_config" in tree:
         tree["ds_config"] = _config(layout, topo)
     tree[MARK] = {"version": VERSION}
     return tree
+
+
+def _torch_optimizer(layout: Layout, pending: dict) -> dict | None:
+    """A stage-0 engine's ``optimizer``: the torch state dict, parameters numbered across the
+    groups in order (the rule :func:`stage0_groups` reads back); each its own step tensor
+    (torch's Adam increments them in place)."""
+    params = [name for group in layout.groups for name, _ in group]
+    if not params or ("optim", params[0], MOMENTS[0]) not in pending:
+        return None
+    state, groups, i = {}, [], 0
+    for g, group in enumerate(layout.groups):
+        step = layout.steps[g]
+        groups.append(dict(layout.hyper[g], params=list(range(i, i + len(group)))))
+        for name, _ in group:
+            state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
+                        **{kind: pending[("optim", name, kind)] for kind in MOMENTS}}
+            i += 1
+    return {"state": state, "param_groups": groups}
 
 
 def _optim_states(layout: Layout, topo: Topology, rank: int, pads: list[int], pending: dict) -> dict:

@@ -115,14 +115,17 @@ def full_state(eng) -> dict:
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
     out = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}, "frozen": {}}
+    # fp32 without ZeRO: the client's torch optimizer, unwrapped (bf16 has BF16_Optimizer)
+    stage0 = not eng.zero_optimization() and not eng.bfloat16_enabled() and not eng.fp16_enabled()
     for name, p in eng.module.named_parameters():
         if not p.requires_grad:
             with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
                 out["frozen"][name] = p.detach().clone()
             continue
-        out["params"][name] = safe_get_full_fp32_param(p).detach().clone()
+        out["params"][name] = (p if stage0 else safe_get_full_fp32_param(p)).detach().clone()
         for kind in ("exp_avg", "exp_avg_sq"):
-            out[kind][name] = safe_get_full_optimizer_state(p, kind).detach().clone()
+            value = opt.state[p][kind] if stage0 else safe_get_full_optimizer_state(p, kind)
+            out[kind][name] = value.detach().clone()
     return out
 
 

@@ -23,6 +23,7 @@ peer("deepspeed")
 from tests import ds_harness as H  # noqa: E402
 
 STAGES = (1, 2, 3)
+SAVED = (0, *STAGES)
 TIED = {"head.weight": "emb.weight"}
 RESHARDS = {  # name -> (source stage, target DP, target stage)
     **{f"z{s}_dp{dp}": (s, dp, s) for s in STAGES for dp in (3, 1)},
@@ -31,6 +32,12 @@ RESHARDS = {  # name -> (source stage, target DP, target stage)
     "z3_dp1_zero1": (3, 1, 1),
     "z1_dp3_zero3": (1, 3, 3),
     "z2_dp1_zero3": (2, 1, 3),
+    # stage 0: the client's torch optimizer state dict, mapped to names by the grouping rule
+    "z0_dp3": (0, 3, 0),
+    "z0_dp3_zero2": (0, 3, 2),
+    "z0_dp1_zero3": (0, 1, 3),
+    "z2_dp3_zero0": (2, 3, 0),
+    "z3_dp1_zero0": (3, 1, 0),
 }
 LOADS = {dp: [(to, name, src) for name, (src, d, to) in RESHARDS.items() if d == dp] for dp in (3, 1)}
 """DP size -> (stage the engine runs, checkpoint, stage of the run it continues)."""
@@ -42,7 +49,7 @@ def ds(tmp_path_factory):
     import ckptool
 
     root = tmp_path_factory.mktemp("deepspeed")
-    H.save(root, STAGES, dp=2)
+    H.save(root, SAVED, dp=2)
     for name, (stage, dp, zero) in RESHARDS.items():
         ckptool.reshard(str(root / f"z{stage}"), str(root / name), to={"dp": dp, "zero": zero})
     for dp, jobs in LOADS.items():
@@ -87,7 +94,7 @@ def test_fp32_weights_equal_deepspeeds_zero_to_fp32(ds, run_cli, tmp_path, stage
     ours = _ckptool_fp32(run_cli, ds / f"z{stage}", tmp_path / "dcp")
     for name, value in theirs.items():
         assert torch.equal(ours(name), value), name
-    for name in (n for n, (src, _, _) in RESHARDS.items() if src == stage):
+    for name in (n for n, (src, _, to) in RESHARDS.items() if src == stage and to):  # ZeRO output
         again = get_fp32_state_dict_from_zero_checkpoint(str(ds / name))  # the same weights
         assert theirs.keys() ^ again.keys() <= {"shift"}  # ZeRO-1 files keep no frozen params
         assert all(torch.equal(again[k], theirs[k]) for k in theirs.keys() & again.keys())
@@ -108,10 +115,10 @@ def test_inspect_and_deep_verify(ds, run_cli):
 
 
 @pytest.mark.parametrize("args,message", [
-    (("reshard", "z2", "--to-zero", "0"), "written only from a DeepSpeed ZeRO checkpoint, at ZeRO-1/2/3"),
     (("reshard", "z3", "--to-tp", "2"), "DeepSpeed output with TP2 is not supported yet"),
     (("reshard", "z2", "--to-dp", "3", "--drop-optimizer"), "--drop-optimizer cannot apply"),
-    (("convert", "z2_dcp", "--to", "deepspeed"), "written only from a DeepSpeed ZeRO checkpoint"),
+    (("convert", "z2_dcp", "--to", "deepspeed"), "written only from a DeepSpeed checkpoint or a "
+                                                  "Hugging Face model"),
 ])
 def test_impossible_targets_are_refused_before_writing(ds, run_cli, tmp_path, args, message):
     if not (ds / "z2_dcp").exists():
@@ -198,3 +205,30 @@ def test_parameter_alignment_padding_is_laid_out_by_the_rule(tmp_path, stage):
     truth, got = torch.load(tmp_path / f"z{stage}_align.truth.pt"), torch.load(tmp_path / "loaded.pt")
     H.assert_loaded_exactly(got, truth)
     assert abs(got["loss"] - truth["loss"]) / abs(truth["loss"]) < 1e-5
+
+
+@pytest.mark.parametrize("edit,message", [
+    ("three_groups", "3 param groups: only one group or the weight-decay split"),
+    ("ambiguous", "do not match the model's weight-decay parameters in one way only"),
+])
+def test_stage0_optimizer_that_cannot_be_named_is_refused(ds, run_cli, tmp_path, edit, message):
+    """Stage 0 numbers parameters by position; a grouping ckptool cannot map by its rule, or
+    can map in two ways, is refused with the reason, never guessed."""
+    import shutil
+
+    src = tmp_path / "z0"
+    shutil.copytree(ds / "z0", src)
+    path = src / "global_step2" / "mp_rank_00_model_states.pt"
+    ms = torch.load(path, weights_only=False)  # our own test fixture
+    groups = ms["optimizer"]["param_groups"]
+    if edit == "three_groups":
+        groups.append(dict(groups[1], params=groups[1]["params"][2:]))
+        groups[1]["params"] = groups[1]["params"][:2]
+    else:  # fc1.weight given fc2.weight's shape and dropped: the state left fits either
+        ms["module"]["fc1.weight"] = ms["module"]["fc2.weight"].clone()
+        first = groups[0]["params"].pop(1)
+        del ms["optimizer"]["state"][first]
+    torch.save(ms, path)
+    res = run_cli("reshard", src, tmp_path / "out", "--to-dp", "3")
+    assert res.code == 2 and message in res.err, res.err
+    assert not (tmp_path / "out").exists()
