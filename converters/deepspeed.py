@@ -311,6 +311,8 @@ class DeepSpeedReader(TorchFileReader):
                 raise BadCheckpoint("optimizer file has no optimizer_state_dict",
                                     path=store.display(optim_rels[0]))
         stage = 3 if zero3 else _stage(osd, ms)
+        if osd is not None:
+            _check_version(osd.get("ds_version") or ms.get("ds_version"), stage, where)
         index = CheckpointIndex(format=NAME, url=store.url, topology=Topology(dp=dp, zero=stage),
                                 iteration=_int(ms.get("global_steps")),
                                 format_version=str(ms.get("ds_version") or "") or None,
@@ -620,6 +622,27 @@ def _stage(osd: dict | None, ms: dict) -> int:
         return args[0]
     config = (ms.get("ds_config") or {}).get("zero_optimization") or {}
     return int(config.get("stage", 1)) or 1
+
+
+LEGACY_STAGE1 = (0, 3, 17)
+"""ZeRO-1 partitioned its flat groups differently before DeepSpeed 0.3.17 (``legacy_stage1``);
+DeepSpeed's own loader keys on ``ds_version`` there, and so does ckptool."""
+
+
+def _check_version(version, stage: int, where: str) -> None:
+    """Refuse the layouts ``ds_version`` says are not the ones ckptool reads."""
+    parsed = _version(version)
+    if stage == 1 and parsed is not None and parsed < LEGACY_STAGE1:
+        raise UnreadableInput(f"a ZeRO-1 checkpoint of DeepSpeed {version}: before 0.3.17 ZeRO-1 used "
+                              "the legacy stage-1 partitioning, which ckptool does not read (and "
+                              "current DeepSpeed does not load)", path=where,
+                              hint="Load it with DeepSpeed <= 0.5.8 (legacy_stage1) and save it again")
+
+
+def _version(text) -> tuple[int, ...] | None:
+    """``"0.19.8+abc"`` -> ``(0, 19, 8)``; None when there is no version."""
+    match = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", str(text or ""))
+    return tuple(int(g or 0) for g in match.groups()) if match else None
 
 
 def _int(value) -> int | None:

@@ -232,3 +232,17 @@ def test_stage0_optimizer_that_cannot_be_named_is_refused(ds, run_cli, tmp_path,
     res = run_cli("reshard", src, tmp_path / "out", "--to-dp", "3")
     assert res.code == 2 and message in res.err, res.err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_legacy_stage1_checkpoint_is_refused_by_its_ds_version(ds, run_cli, tmp_path):
+    """ZeRO-1 changed its partitioning in DeepSpeed 0.3.17; the reader keys on ds_version."""
+    import shutil
+
+    src = tmp_path / "z1"
+    shutil.copytree(ds / "z1", src)
+    for path in (src / "global_step2").glob("*optim_states.pt"):
+        sd = torch.load(path, weights_only=False)  # our own test fixture
+        sd["optimizer_state_dict"]["ds_version"] = sd["ds_version"] = "0.3.16"
+        torch.save(sd, path)
+    res = run_cli("inspect", src)
+    assert res.code == 2 and "legacy stage-1 partitioning" in res.err, res.err
