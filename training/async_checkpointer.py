@@ -107,12 +107,14 @@ class AsyncCheckpointer:
         try:
             self.wait()
         finally:
-            if self._writer is not None:
-                self._writer.close()
-            for buf in self._registered:
-                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-            self._registered.clear()
-            self._buffers.clear()
+            try:
+                if self._writer is not None:
+                    self._writer.close()
+            finally:
+                for buf in self._registered:
+                    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+                self._registered.clear()
+                self._buffers.clear()
 
     def wait(self) -> None:
         """Block until the last save is committed; raise its error if it failed."""
