@@ -2,6 +2,13 @@
 
 Each module gives a :class:`ckptool.core.index.Reader` subclass. Modules are imported
 lazily, so a format's optional dependencies cost nothing until it is used.
+
+A format never imports another format. Rules that several formats share live in modules
+that are not formats: :mod:`converters.hf_schema` (Hugging Face names and ``config.json``),
+:mod:`converters.zero` (DeepSpeed's ZeRO layout and files), :mod:`converters.megatron_common`,
+:mod:`converters.megatron_ranks`, :mod:`converters.megatron_optimizer`,
+:mod:`converters.megatron_distopt`. The one exception is a format's own variant:
+:mod:`converters.deepspeed` dispatches pipeline checkpoints to :mod:`converters.deepspeed_pipe`.
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ A run root has ``latest`` (the tag) and ``<tag>/`` (default ``global_step{N}``) 
   and, from stage 2, in ``frozen_param_fragments`` (ZeRO-3: each rank's slice).
   ``dp_world_size`` is the only thing DeepSpeed checks against the job's DP size.
 * **optimizer states** ``[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt``, one per DP
-  rank, holding that rank's partition of each param group (:func:`zero_partition`,
-  :func:`zero3_partition`) for the fp32 masters and the Adam moments, plus the torch
-  optimizer's ``step`` and hyperparameters per group.
+  rank, holding that rank's partition of each param group
+  (:func:`~converters.zero.zero_partition`, :func:`~converters.zero.zero3_partition`) for
+  the fp32 masters and the Adam moments, plus the torch optimizer's ``step`` and
+  hyperparameters per group.
 
 The global view: every ``module`` entry by its name (aliases are replicas of the owner),
 and ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<name>`` for trainable parameters. At
@@ -29,167 +30,40 @@ hands unknown entries back as client state); without ``ckptool.json`` it is not 
 
 from __future__ import annotations
 
-import copy
 import json
-import math
 import re
-from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from ckptool.core import VERSION
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, TopologyError, UnreadableInput, UsageError
-from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, TensorInfo, Writer
+from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
 from ckptool.core.regions import Region, Shard
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending, TensorRef
-from ckptool.core.torchreader import TorchFileReader, save_target
-from converters.deepspeed_pipe import PIPELINE_KEY, PipelineWriter, is_pipeline, read_pipeline
+from ckptool.core.torchreader import save_target
+# The pipeline variant of this format (layer files), dispatched from the reader and the writer:
+# the one format module imported here; it imports nothing from this one.
+from converters.deepspeed_pipe import PipelineWriter, is_pipeline, read_pipeline
+from converters.hf_schema import CONFIG, CONFIG_KEY, FAMILY_KEY, spec_from_config, tied_aliases
 from converters.megatron_optimizer import FRESH_STEP, state_key
 from converters.megatron_optimizer import groups as megatron_groups
 from converters.megatron_optimizer import no_decay
+from converters.zero import uncarried_state
+from converters.zero import (LAYOUT_KEY, MARK, MOMENTS, OPTIM_FILE, PER_RANK, PIPELINE_KEY, Layout,
+                             ZeroReader, add_region, alignment_paddings, check_sub_groups, int_or_none,
+                             model_states_tree, optim_states_tree, ordered_for, parameter_alignment,
+                             rank_files, source_state_key, zero3_partition, zero_partition, zero_stage)
 
 NAME = "deepspeed"
 LATEST = "latest"
 MODEL_STATES_SUFFIX = "_model_states.pt"
-LAYOUT_KEY = "deepspeed.layout"
-MARK = "ckptool"
-MOMENTS = ("exp_avg", "exp_avg_sq")
 _MP_STATES = re.compile(r"^mp_rank_(\d{2})_model_states\.pt$")
 _ZERO_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt$")
-_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2})_?optim_states\.pt$")
 _STEP_DIR = re.compile(r"^global_step(\d+)$")
-_PER_RANK = ("base_optimizer_state", "optimizer_state_dict", "single_partition_of_fp32_groups",
-             "fp32_flat_groups", "group_paddings", "partition_count", "param_slice_mappings")
-"""Optimizer-file entries that depend on the DP rank; the others are carried as they are."""
-_ZERO12_ONLY = ("clip_grad", "param_alignment_paddings", "ds_version")
-"""``optimizer_state_dict`` entries of ZeRO-1/2 files that ZeRO-3 files lack (DeepSpeed
-0.19.8); derived when writing 1/2 from 3, dropped when writing 3 from 1/2."""
-
-Group = list[tuple[str, tuple[int, ...]]]
-
-
-# ------------------------------------------------------------------- the layout rules
-
-
-def zero_partition(group: Group, dp: int, rank: int, key=lambda name: name,
-                   align: int = 1) -> tuple[Shard, int]:
-    """ZeRO-1/2: ``rank``'s partition of one param group's flat buffer, and its padding.
-
-    The group's parameters are concatenated in ``param_shapes`` order (with
-    ``parameter_alignment``, each but the last followed by :func:`alignment_paddings`), the
-    buffer is padded at the tail to a multiple of ``2*dp`` and cut into ``dp`` equal
-    partitions of P elements; rank r owns ``[r*P, (r+1)*P)``, so a parameter can straddle
-    ranks. The Adam moments keep the tail padding (zeros); ``single_partition_of_fp32_groups``
-    drops it (BF16_Optimizer keeps it); ``group_paddings[g][r]`` counts it. ``key`` names the
-    regions' global tensor.
-    """
-    gaps = alignment_paddings(group, align)
-    total = sum(math.prod(shape) for _, shape in group) + sum(gaps)
-    per_rank = -(-total // (2 * dp)) * 2
-    lo, hi = rank * per_rank, (rank + 1) * per_rank
-    parts, offset = [], 0
-    for (name, shape), gap in zip(group, gaps):
-        n = math.prod(shape)
-        start, stop = max(offset, lo), min(offset + n, hi)
-        if start < stop:
-            parts.append((start - lo, Region.whole(key(name), shape, (start - offset, stop - offset))))
-        offset += n + gap
-    return Shard((per_rank,), tuple(parts)), max(0, hi - max(lo, total))
-
-
-def alignment_paddings(group: Group, align: int) -> list[int]:
-    """ZeRO-1/2 ``parameter_alignment``: zeros after each parameter but the last, up to a
-    multiple of ``align`` elements of the flat buffer (``align`` = 16 bytes over the model
-    dtype's size; 1 without the option): DeepSpeed's ``param_alignment_paddings``."""
-    out, offset = [], 0
-    for i, (_, shape) in enumerate(group):
-        offset += math.prod(shape)
-        gap = 0 if i == len(group) - 1 else (-offset) % align
-        out.append(gap)
-        offset += gap
-    return out
-
-
-def parameter_alignment(enabled: bool, dtype: torch.dtype) -> int:
-    """The ``align`` of :func:`alignment_paddings`: 16 bytes in elements of the model dtype
-    when ``zero_optimization.parameter_alignment`` is on, else 1."""
-    return 16 // math.gcd(16, dtype.itemsize) if enabled else 1
-
-
-def zero3_partition(group: Group, dp: int, rank: int, key=lambda name: name) -> Shard:
-    """ZeRO-3: each parameter is cut alone into ``dp`` slices of ``ceil(n/dp)`` elements (the
-    last zero-padded); a rank's flat group is its slices in ``param_shapes`` order. The same
-    rule cuts ``frozen_param_fragments`` (one parameter at a time)."""
-    parts, offset = [], 0
-    for name, shape in group:
-        n = math.prod(shape)
-        size = -(-n // dp)
-        start, stop = min(rank * size, n), min((rank + 1) * size, n)
-        if start < stop:
-            parts.append((offset, Region.whole(key(name), shape, (start, stop))))
-        offset += size
-    return Shard((offset,), tuple(parts))
-
-
-def round_robin(group: Group, dp: int) -> Group:
-    """ZeRO-1/2 with ``round_robin_gradients``: the flat buffer (and ``param_shapes``) holds
-    the group's parameters reordered for DP size ``dp``, those at positions ``i % dp == 0``
-    first, then ``1``... (``_round_robin_reorder`` in stage_1_and_2.py). The order depends
-    on DP, so a new DP size needs a new order."""
-    return [group[i] for j in range(dp) for i in range(j, len(group), dp)]
-
-
-def round_robin_undone(group: Group, dp: int) -> Group:
-    """The model's own order of a group that :func:`round_robin` reordered for ``dp``."""
-    order = [i for j in range(dp) for i in range(j, len(group), dp)]
-    out: Group = [None] * len(group)  # type: ignore[list-item]
-    for position, i in enumerate(order):
-        out[i] = group[position]
-    return out
-
-
-@dataclass
-class Layout:
-    """What a DeepSpeed writer needs beyond the tensors: the source's structure and the
-    non-tensor entries of its files (rank 0's), carried as they are."""
-
-    tag: str
-    stage: int
-    bf16_files: bool
-    """Optimizer files are named ``bf16_zero_pp_rank_*`` (bf16 runs)."""
-    bf16_optimizer: bool
-    """BF16_Optimizer files: fp32 partitions keep the padding; no ``zero_stage``."""
-    groups: list[Group]
-    frozen: Group
-    shared: dict[str, str]
-    module: list[tuple[str, tuple[int, ...], torch.dtype]]
-    """``module`` entries in file order (at ZeRO-3, parameters have shape (0,))."""
-    model_states: dict
-    """Rank 0's model states, ``module`` and ``frozen_param_fragments`` set to None."""
-    optim_file: dict
-    """Rank 0's optimizer file, ``optimizer_state_dict`` set to None."""
-    osd: dict
-    """Rank 0's ``optimizer_state_dict`` without the per-rank entries."""
-    hyper: list[dict]
-    steps: list[Any]
-    fragment_type: Any = None
-    """The class of ``param_slice_mappings`` values (``fragment_address``), kept opaque."""
-    align: int = 1
-    """ZeRO-1/2 ``parameter_alignment`` (:func:`alignment_paddings`); 1 without it."""
-
-    @property
-    def trainable(self) -> set[str]:
-        return {name for group in self.groups for name, _ in group}
-
-    @property
-    def params(self) -> set[str]:
-        """Every parameter name of ``module`` (trainable, frozen, aliases): not buffers."""
-        return self.trainable | {name for name, _ in self.frozen} | set(self.shared)
 
 
 # ------------------------------------------------------------------------- reading
@@ -214,59 +88,8 @@ def _tag(store: Store) -> str:
     raise UnreadableInput("no DeepSpeed model-states files found", path=store.url)
 
 
-def _resolve(obj: Any, path: tuple) -> Any:
-    for step in path:
-        obj = obj[step]
-    return obj
-
-
-def _ranks(found: dict[int, str], dp: int, what: str, where: str) -> list[str]:
-    if sorted(found) != list(range(dp)):
-        raise BadCheckpoint(f"{what} files are for DP ranks {sorted(found)}, dp_world_size is {dp}",
-                            path=where)
-    return [found[r] for r in range(dp)]
-
-
-class DeepSpeedReader(TorchFileReader):
+class DeepSpeedReader(ZeroReader):
     name = NAME
-    model_family: str | None = None
-    model_config: str | None = None
-    """``--model-config``: a Hugging Face config.json for a module that is an HF model."""
-
-    def configure(self, *, model_family: str | None = None, model_config: str | None = None,
-                  **unknown) -> None:
-        super().configure(**unknown)
-        self.model_family, self.model_config = model_family, model_config
-
-    def canonical(self, store: Store, index: CheckpointIndex) -> CheckpointIndex | None:
-        """A module that is a Hugging Face model (HF Trainer, accelerate) under canonical
-        names, its optimizer state with it; its config is ``--model-config`` or the
-        ``config.json`` beside ``latest`` (the HF Trainer's ``checkpoint-N/`` layout)."""
-        from converters.hf import CONFIG, named_view
-
-        if PIPELINE_KEY in index.objects:
-            return None
-        if self.model_config:
-            where = self.model_config
-            try:
-                with open(where, "rb") as f:
-                    raw = f.read()
-            except OSError as exc:
-                raise UnreadableInput(f"cannot read the model config ({exc.strerror})",
-                                      path=where) from None
-        elif store.exists(CONFIG):
-            where, raw = store.display(CONFIG), store.read_bytes(CONFIG)
-        else:
-            return None
-        try:
-            config = json.loads(raw)
-        except ValueError:
-            raise UnreadableInput("the model config is not valid JSON", path=where) from None
-        if not isinstance(config, dict):
-            raise UnreadableInput("the model config is not a JSON object", path=where)
-        kinds = ("fp32_param", *MOMENTS)
-        return named_view(index, config, self.model_family, where,
-                          ("", *(state_key(kind, "") for kind in kinds)))
 
     @classmethod
     def detect(cls, store: Store) -> bool:
@@ -288,9 +111,9 @@ class DeepSpeedReader(TorchFileReader):
         if is_pipeline(names):  # Megatron-DeepSpeed's layer files: canonical names already
             return read_pipeline(self, store, tag, names)
         zero3 = {int(m.group(1)): join(n) for n in names if (m := _ZERO_STATES.match(n))}
-        optim = {int(m.group(2)): join(n) for n in names if (m := _OPTIM.match(n))}
+        optim = {int(m.group(2)): join(n) for n in names if (m := OPTIM_FILE.match(n))}
         mp_ranks = {m.group(m.re.groups) for n in names
-                    if (m := _MP_STATES.match(n) or _ZERO_STATES.match(n) or _OPTIM.match(n))}
+                    if (m := _MP_STATES.match(n) or _ZERO_STATES.match(n) or OPTIM_FILE.match(n))}
         if mp_ranks - {"00"}:
             raise UnreadableInput("model-parallel DeepSpeed checkpoints (mp_rank > 00) are not "
                                   "supported yet", path=where)
@@ -305,16 +128,16 @@ class DeepSpeedReader(TorchFileReader):
         dp = int(ms.get("dp_world_size") or 1)
         osd = None
         if optim:
-            optim_rels = _ranks(optim, dp, "optimizer", where)
+            optim_rels = rank_files(optim, dp, "optimizer", where)
             osd = self._load(store, optim_rels[0]).obj.get("optimizer_state_dict")
             if not isinstance(osd, dict):
                 raise BadCheckpoint("optimizer file has no optimizer_state_dict",
                                     path=store.display(optim_rels[0]))
-        stage = 3 if zero3 else _stage(osd, ms)
+        stage = 3 if zero3 else zero_stage(osd, ms)
         if osd is not None:
             _check_version(osd.get("ds_version") or ms.get("ds_version"), stage, where)
         index = CheckpointIndex(format=NAME, url=store.url, topology=Topology(dp=dp, zero=stage),
-                                iteration=_int(ms.get("global_steps")),
+                                iteration=int_or_none(ms.get("global_steps")),
                                 format_version=str(ms.get("ds_version") or "") or None,
                                 written_by_ckptool=MARK in ms)
         for key in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "ds_config"):
@@ -326,8 +149,10 @@ class DeepSpeedReader(TorchFileReader):
             if ms.get("optimizer"):
                 self._read_stage0_optimizer(store, index, tag, first, ms, aliases)
             return index
-        model_rels = _ranks(zero3, dp, "ZeRO-3 model-states", where) if zero3 else [first]
+        model_rels = rank_files(zero3, dp, "ZeRO-3 model-states", where) if zero3 else [first]
         layout = self._layout(store, tag, stage, first, optim, osd)
+        index.unmapped = uncarried_state(
+            (osd.get("base_optimizer_state", osd.get("optimizer_state_dict")) or {}).get("state"))
         index.objects[LAYOUT_KEY] = ObjectInfo(LAYOUT_KEY, value=layout)
         index.objects["optimizer.step"] = ObjectInfo("optimizer.step", value=layout.steps)
         index.objects["optimizer.param_groups"] = ObjectInfo("optimizer.param_groups", value=layout.hyper)
@@ -383,14 +208,14 @@ class DeepSpeedReader(TorchFileReader):
         model_states = {k: (None if k in ("module", "frozen_param_fragments") else v)
                         for k, v in ms.items()}
         return Layout(
-            tag=tag or "global_step%d" % (_int(ms.get("global_steps")) or 0), stage=stage,
+            tag=tag or "global_step%d" % (int_or_none(ms.get("global_steps")) or 0), stage=stage,
             bf16_files=optim[0].rsplit("/", 1)[-1].startswith("bf16_"),
             bf16_optimizer="zero_stage" not in osd, groups=groups, frozen=frozen, shared=shared,
             module=[(n, tuple(v.shape), v.dtype) for n, v in module.items()],
             model_states=self._load(store, first).materialize(model_states),
             optim_file={k: (None if k == "optimizer_state_dict" else archive.materialize(v))
                         for k, v in archive.obj.items()},
-            osd={k: archive.materialize(v) for k, v in osd.items() if k not in _PER_RANK},
+            osd={k: archive.materialize(v) for k, v in osd.items() if k not in PER_RANK},
             hyper=[{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]],
             steps=[archive.materialize(base["state"][g].get("step")) for g in range(len(groups))],
             fragment_type=type(fragments[0]) if fragments else None, align=align)
@@ -415,7 +240,7 @@ class DeepSpeedReader(TorchFileReader):
             steps.append(archive.materialize(osd["state"][order[group[0][0]]].get("step")) if group else 0)
         module = ms["module"]
         layout = Layout(
-            tag=tag or "global_step%d" % (_int(ms.get("global_steps")) or 0), stage=0,
+            tag=tag or "global_step%d" % (int_or_none(ms.get("global_steps")) or 0), stage=0,
             bf16_files=False, bf16_optimizer=False, groups=groups, frozen=frozen, shared=aliases,
             module=[(n, tuple(v.shape), v.dtype) for n, v in module.items()],
             model_states=archive.materialize({k: v for k, v in ms.items()
@@ -435,7 +260,7 @@ class DeepSpeedReader(TorchFileReader):
                     raise BadCheckpoint(f"{kind} of {name} is not a tensor of its shape {list(shape)}",
                                         path=store.display(rel))
                 key = state_key(kind, name)
-                _add(index, key, ref, Region.whole(key, shape), rel,
+                add_region(index, key, ref, Region.whole(key, shape), rel,
                      ("optimizer", "state", order[name], kind), 0)
 
     def _read_module(self, store, index, rel, ms, shared) -> None:
@@ -443,10 +268,10 @@ class DeepSpeedReader(TorchFileReader):
         fragments) are replicas."""
         for name, ref in ms["module"].items():
             owner = shared.get(name)
-            _add(index, owner or name, ref, Region.whole(owner or name, ref.shape), rel,
+            add_region(index, owner or name, ref, Region.whole(owner or name, ref.shape), rel,
                  ("module", name), 0, replica=owner is not None)
         for name, ref in (ms.get("frozen_param_fragments") or {}).items():
-            _add(index, name, ref, Region.whole(name, ref.shape), rel,
+            add_region(index, name, ref, Region.whole(name, ref.shape), rel,
                  ("frozen_param_fragments", name), 0, replica=True)
 
     def _read_zero3_model_states(self, store, index, rels, layout) -> None:
@@ -456,7 +281,7 @@ class DeepSpeedReader(TorchFileReader):
             ms = self._load(store, rel).obj
             for name, ref in ms["module"].items():
                 if name not in layout.params:
-                    _add(index, name, ref, Region.whole(name, ref.shape), rel, ("module", name), 0,
+                    add_region(index, name, ref, Region.whole(name, ref.shape), rel, ("module", name), 0,
                          replica=rank > 0)
             fragments = ms.get("frozen_param_fragments") or {}
             for name, shape in layout.frozen:
@@ -467,7 +292,7 @@ class DeepSpeedReader(TorchFileReader):
                                         f"({shard.shape[0]} elements)", path=store.display(rel),
                                         key=name)
                 for offset, region in shard.parts:
-                    _add(index, name, ref, region, rel, ("frozen_param_fragments", name), offset)
+                    add_region(index, name, ref, region, rel, ("frozen_param_fragments", name), offset)
 
     def _read_partitions(self, store, index, rel, rank, dp, layout) -> None:
         """One rank's optimizer file: its partition of every group, checked against the rule."""
@@ -503,23 +328,8 @@ class DeepSpeedReader(TorchFileReader):
                                         f"rule at DP{dp} says {length}", path=source)
                 for offset, region in shard.parts:
                     key = state_key(kind, region.key) if kind else region.key
-                    _add(index, key, ref, replace(region, key=key), rel, path, offset)
+                    add_region(index, key, ref, replace(region, key=key), rel, path, offset)
 
-
-def _add(index: CheckpointIndex, key: str, ref: TensorRef, region: Region, rel: str, path: tuple,
-         offset: int, replica: bool = False) -> None:
-    """Record that ``region`` of ``key`` is stored at element ``offset`` of ``ref``."""
-    info = index.tensors.get(key)
-    if info is None:
-        info = index.tensors[key] = TensorInfo(key, region.global_shape, ref.dtype)
-    elif info.shape != region.global_shape or info.dtype != ref.dtype:
-        raise BadCheckpoint(f"stored as {list(region.global_shape)} {ref.dtype} and as "
-                            f"{list(info.shape)} {info.dtype}", path=index.url, key=key)
-    if region.flat is None and tuple(ref.shape) != region.lengths:
-        raise BadCheckpoint(f"tensor is {list(ref.shape)}, expected {list(region.lengths)}",
-                            path=index.url, key=key)
-    index.files[rel] = 1
-    (info.replicas if replica else info.pieces).append(Piece(region, Location(rel, detail=(path, offset))))
 
 
 def stage0_groups(ms: dict, aliases: dict[str, str]):
@@ -537,6 +347,9 @@ def stage0_groups(ms: dict, aliases: dict[str, str]):
     if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict) or \
             not isinstance(osd.get("param_groups"), list):
         return "not a torch optimizer state dict (fp16's FP16_Optimizer is not read yet)"
+    uncarried = uncarried_state(osd["state"])
+    if uncarried:
+        return uncarried
     buffers = set(ms.get("buffer_names") or ())
     candidates = [(n, tuple(v.shape)) for n, v in ms["module"].items()
                   if n not in buffers and n not in aliases]
@@ -546,7 +359,8 @@ def stage0_groups(ms: dict, aliases: dict[str, str]):
         for i in pg.get("params") or ():
             ref = (osd["state"].get(i) or {}).get("exp_avg")
             if not isinstance(ref, TensorRef):
-                return f"parameter {i} of param group {g} has no Adam state (saved before the first step?)"
+                return (f"parameter {i} of param group {g} has no Adam state (saved before its first "
+                        "step, or a parameter the optimizer never updated)")
             shapes.append((i, tuple(ref.shape)))
         stored.append(shapes)
     rules = {1: [candidates],
@@ -609,20 +423,6 @@ def _aliases(module: dict) -> dict[str, str]:
             if first.setdefault(ref, name) != name}
 
 
-def _stage(osd: dict | None, ms: dict) -> int:
-    """The ZeRO stage: the optimizer file's ``zero_stage`` enum (kept opaque: its argument),
-    else the config's (BF16_Optimizer files have no enum), else 0 (no optimizer files)."""
-    if osd is None:
-        return 0
-    enum = osd.get("zero_stage")
-    if isinstance(enum, int):  # what ckptool writes for an hf source
-        return enum
-    args = getattr(enum, "_args", None)
-    if args and isinstance(args[0], int):
-        return args[0]
-    config = (ms.get("ds_config") or {}).get("zero_optimization") or {}
-    return int(config.get("stage", 1)) or 1
-
 
 LEGACY_STAGE1 = (0, 3, 17)
 """ZeRO-1 partitioned its flat groups differently before DeepSpeed 0.3.17 (``legacy_stage1``);
@@ -645,9 +445,6 @@ def _version(text) -> tuple[int, ...] | None:
     return tuple(int(g or 0) for g in match.groups()) if match else None
 
 
-def _int(value) -> int | None:
-    return int(value) if isinstance(value, int) else None
-
 
 # ------------------------------------------------------------------------- writing
 
@@ -656,8 +453,9 @@ class DeepSpeedWriter(Writer):
     """Writes a DeepSpeed run root (``latest`` + ``<tag>/``) from a DeepSpeed ZeRO source at
     a new DP size and any ZeRO stage 1-3 (stages 1 and 2 have files of the same shape; from
     or to 3, the fp32 masters are the weights and ZeRO-3's ``module`` keeps only buffers).
-    Every rank's partitions are laid out by the rules above; the non-tensor entries are the
-    source's, with ``dp_world_size``, the stage and the partition bookkeeping rewritten.
+    Every rank's partitions are laid out by the rules of :mod:`converters.zero`; the
+    non-tensor entries are the source's, with ``dp_world_size``, the stage and the partition
+    bookkeeping rewritten.
     A pipeline source (layer files) is written by :class:`~converters.deepspeed_pipe.PipelineWriter`
     at any TP/PP/DP; the topology is checked once the source's kind is known (``target_spec``)."""
 
@@ -666,10 +464,12 @@ class DeepSpeedWriter(Writer):
     fresh_optimizer = True
     pipeline: PipelineWriter | None = None
     """Set for a pipeline source: it writes the output (:mod:`converters.deepspeed_pipe`)."""
-    param_groups: str = "decay"
-    """hf source: ``decay`` (weight decay / none for biases and 1-D parameters, as the HF
-    Trainer and Megatron group them) or ``single`` (DeepSpeed's own optimizer from its config)."""
+    param_groups: str | None = None
+    """hf source with --init-optimizer: ``decay`` (the default; weight decay / none for biases
+    and 1-D parameters, as the HF Trainer and Megatron group them) or ``single`` (DeepSpeed's
+    own optimizer from its config)."""
     _source: Layout | None = None
+    _source_store: Store | None = None
 
     def configure(self, *, param_groups: str | None = None, **unknown) -> None:
         super().configure(**unknown)
@@ -690,8 +490,11 @@ class DeepSpeedWriter(Writer):
         if PIPELINE_KEY in index.objects:
             self.pipeline = PipelineWriter()
             return self.pipeline.target_spec(index, source, target, true_vocab_size)
+        if self.param_groups is not None and FRESH_STEP not in index.objects:
+            raise UsageError("--param-groups applies to a fresh optimizer state (--init-optimizer "
+                             "from an hf source); this output keeps the source's groups")
         if index.format == "hf":
-            self._source = _hf_layout(index, target, self.param_groups)
+            self._source = _hf_layout(index, target, self.param_groups or "decay")
         else:
             self._check_topology(source, target)
             if LAYOUT_KEY not in index.objects:
@@ -710,7 +513,7 @@ class DeepSpeedWriter(Writer):
         if layout.bf16_optimizer and target.zero != 1:
             raise TopologyError("BF16_Optimizer checkpoints stay at ZeRO-1", path=index.url)
         if target.zero == 3:
-            _check_sub_groups(layout, target.dp, index.url)
+            check_sub_groups(layout, target.dp, index.url)
         return None
 
     def notes(self, index: CheckpointIndex) -> list[str]:
@@ -726,7 +529,9 @@ class DeepSpeedWriter(Writer):
         return [f"fresh optimizer state (fp32 masters = the weights, zero Adam moments, step 0) "
                 f"in {groups}, in the model's parameter order: load with engine.load_checkpoint("
                 "DST, load_optimizer_states=False, load_lr_scheduler_states=False), so that your "
-                "config's hyperparameters and scheduler apply (the files carry none)"]
+                "config's hyperparameters and scheduler apply (the files carry none). Not for "
+                "ZeRO-1/2 engines with round_robin_gradients, whose flat order depends on DP: load "
+                "the module alone there (load_module_only=True)"]
 
     def source_schema(self, opened) -> str:
         return NAME
@@ -740,7 +545,7 @@ class DeepSpeedWriter(Writer):
                              "files, so --drop-optimizer cannot apply", path=index.url,
                              hint="Convert to hf or dcp for the weights alone")
         self._with_optimizer = with_optimizer
-        layout = self._target = _ordered_for(self._source, index.topology, topo)
+        layout = self._target = ordered_for(self._source, index.topology, topo)
         tag, files = layout.tag, []
         if topo.zero < 3:
             files.append(self._model_file(f"{tag}/mp_rank_00_model_states.pt", index, layout, topo, 0))
@@ -762,8 +567,8 @@ class DeepSpeedWriter(Writer):
         target = TargetFile(path, context={"kind": "model", "rank": rank, "topo": topo})
         for name, shape, dtype in layout.module:
             if topo.zero == 3 and name in layout.params or name in layout.shared:
-                continue  # an alias is its owner's tensor (_model_states)
-            key = _state_key(index, "fp32_param", name) if topo.zero == 0 and name in layout.trainable \
+                continue  # an alias is its owner's tensor (model_states_tree)
+            key = source_state_key(index, "fp32_param", name) if topo.zero == 0 and name in layout.trainable \
                 else name
             target.tensors.append(TargetTensor(("module", name), Shard.of(
                 Region.whole(key, index.tensors[name].shape)), index.tensors[name].dtype))
@@ -792,7 +597,8 @@ class DeepSpeedWriter(Writer):
                 fp32_len = shard.shape[0] - (0 if layout.bf16_optimizer else pad)
             target.context["pads"].append(pad)
             for kind in (*MOMENTS, "fp32_param"):
-                parts = tuple((o, replace(r, key=_state_key(index, kind, r.key))) for o, r in shard.parts)
+                parts = tuple((o, replace(r, key=source_state_key(index, kind, r.key)))
+                              for o, r in shard.parts)
                 length = fp32_len if kind == "fp32_param" and fp32_len is not None else shard.shape[0]
                 dtype = index.tensors[parts[0][1].key].dtype if parts else torch.float32
                 target.tensors.append(TargetTensor((g, kind), Shard((length,), parts), dtype))
@@ -805,149 +611,26 @@ class DeepSpeedWriter(Writer):
         layout = self._target
         ctx = target.context
         pending = {t.name: Pending(t.name, t.shard.shape, t.dtype) for t in target.tensors}
-        tree = _model_states(layout, ctx["topo"], ctx["rank"], pending) if ctx["kind"] == "model" \
-            else _optim_states(layout, ctx["topo"], ctx["rank"], ctx["pads"], pending)
+        tree = model_states_tree(layout, ctx["topo"], ctx["rank"], pending) if ctx["kind"] == "model" \
+            else optim_states_tree(layout, ctx["topo"], ctx["rank"], ctx["pads"], pending)
         return save_target(store, target, tree, produce)
+
+    def bind(self, opened) -> None:
+        self._source_store = opened.store
 
     def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
         if self.pipeline is not None:
             return self.pipeline.finalize(store, index)
         store.write_bytes(LATEST, self._source.tag.encode())
-        if index.format != "hf":
+        # config.json beside `latest`, as the HF Trainer lays it out: what names the module's
+        # schema (an hf source's, or the one a DeepSpeed source carries) goes with it
+        if index.format == "hf":
+            store.write_bytes(CONFIG, json.dumps(index.objects[CONFIG_KEY].value, indent=2).encode())
+        elif self._source_store is not None and self._source_store.exists(CONFIG):
+            store.write_bytes(CONFIG, self._source_store.read_bytes(CONFIG))
+        else:
             return [LATEST]
-        from converters.hf import CONFIG, CONFIG_KEY
-
-        # beside `latest`, as the HF Trainer lays it out: the reader finds the model's schema
-        store.write_bytes(CONFIG, json.dumps(index.objects[CONFIG_KEY].value, indent=2).encode())
         return [LATEST, CONFIG]
-
-
-def _state_key(index: CheckpointIndex, kind: str, name: str) -> str:
-    """The global tensor an optimizer vector comes from; a ZeRO-3 source has no separate
-    ``fp32_param``: its weights are the masters."""
-    key = state_key(kind, name)
-    return key if kind != "fp32_param" or key in index.tensors else name
-
-
-def _ordered_for(layout: Layout, source: Topology, target: Topology) -> Layout:
-    """The layout with each group in the order the target engine flattens it: the model's
-    order, reordered by :func:`round_robin` for the target DP when the run uses
-    ``round_robin_gradients`` at ZeRO-1/2 (BF16_Optimizer and ZeRO-3 do not reorder)."""
-    config = (layout.model_states.get("ds_config") or {}).get("zero_optimization") or {}
-    if not config.get("round_robin_gradients") or layout.bf16_optimizer:
-        return layout
-    groups = layout.groups
-    if source.zero in (1, 2):  # stage 0 and 3 keep the model's order
-        groups = [round_robin_undone(g, source.dp) for g in groups]
-    if target.zero in (1, 2):
-        groups = [round_robin(g, target.dp) for g in groups]
-    return replace(layout, groups=groups)
-
-
-def _check_sub_groups(layout: Layout, dp: int, where: str) -> None:
-    """ZeRO-3 splits a param group whose per-rank elements exceed ``sub_group_size`` (the
-    source's ds_config, else DeepSpeed's default 1e9) into sub-groups, each with its own
-    flat group and optimizer state; one partition per group is all that is written."""
-    config = (layout.model_states.get("ds_config") or {}).get("zero_optimization") or {}
-    value = config.get("sub_group_size")
-    limit = int(float(1e9 if value is None else value))
-    for g, group in enumerate(layout.groups):
-        numel = zero3_partition(group, dp, 0).shape[0]
-        if numel > limit:
-            raise TopologyError(f"param group {g} has {numel} elements per rank at DP{dp}, over "
-                                f"ZeRO-3's sub_group_size {limit}: DeepSpeed would split it into "
-                                "sub-groups, which are not written yet", path=where,
-                                hint="Write at a larger DP, or convert to deepspeed-universal")
-
-
-def _config(layout: Layout, topo: Topology) -> dict:
-    """The source's ds_config with the target's stage and per-GPU micro batch (DeepSpeed
-    stores it and does not read it on load)."""
-    config = copy.deepcopy(layout.model_states.get("ds_config") or {})
-    if isinstance(config.get("zero_optimization"), dict):
-        config["zero_optimization"]["stage"] = topo.zero
-    batch, gas = config.get("train_batch_size"), config.get("gradient_accumulation_steps") or 1
-    if isinstance(batch, int) and batch % (topo.dp * gas) == 0 and "train_micro_batch_size_per_gpu" in config:
-        config["train_micro_batch_size_per_gpu"] = batch // (topo.dp * gas)
-    return config
-
-
-def _model_states(layout: Layout, topo: Topology, rank: int, pending: dict) -> dict:
-    tree = dict(layout.model_states)
-    tree["param_shapes"] = [OrderedDict((n, torch.Size(s)) for n, s in group)
-                            for group in layout.groups] if topo.zero else None  # .numel() is called
-    # a tied alias is the very same tensor (one storage in the file), as torch.save keeps it
-    tree["module"] = OrderedDict(
-        (name, pending.get(("module", layout.shared.get(name, name)), torch.empty(0, dtype=dtype)))
-        for name, shape, dtype in layout.module)
-    frozen = OrderedDict((n, pending[("frozen", n)]) for n, _ in layout.frozen) if topo.zero >= 2 else None
-    tree["frozen_param_fragments"] = frozen
-    tree["frozen_param_shapes"] = OrderedDict((n, torch.Size(s)) for n, s in layout.frozen) \
-        if frozen is not None else None
-    tree["shared_params"] = (dict(layout.shared) if rank == 0 else {}) if topo.zero else None
-    if topo.zero == 0:
-        tree["optimizer"] = _torch_optimizer(layout, pending)
-    tree["dp_world_size"] = topo.dp
-    if "ds_config" in tree:
-        tree["ds_config"] = _config(layout, topo)
-    tree[MARK] = {"version": VERSION}
-    return tree
-
-
-def _torch_optimizer(layout: Layout, pending: dict) -> dict | None:
-    """A stage-0 engine's ``optimizer``: the torch state dict, parameters numbered across the
-    groups in order (the rule :func:`stage0_groups` reads back); each its own step tensor
-    (torch's Adam increments them in place)."""
-    params = [name for group in layout.groups for name, _ in group]
-    if not params or ("optim", params[0], MOMENTS[0]) not in pending:
-        return None
-    state, groups, i = {}, [], 0
-    for g, group in enumerate(layout.groups):
-        step = layout.steps[g]
-        groups.append(dict(layout.hyper[g], params=list(range(i, i + len(group)))))
-        for name, _ in group:
-            state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
-                        **{kind: pending[("optim", name, kind)] for kind in MOMENTS}}
-            i += 1
-    return {"state": state, "param_groups": groups}
-
-
-def _optim_states(layout: Layout, topo: Topology, rank: int, pads: list[int], pending: dict) -> dict:
-    """One rank's optimizer file: the source's entries, the per-rank ones rewritten."""
-    groups = range(len(layout.groups))
-    state = {"state": {g: {"step": layout.steps[g],
-                           **{k: pending[(g, k)] for k in MOMENTS}} for g in groups},
-             "param_groups": [dict(h, params=[g]) for g, h in zip(groups, layout.hyper)]}
-    masters = [pending[(g, "fp32_param")] for g in groups]
-    osd = dict(layout.osd)
-    if "zero_stage" in osd and topo.zero != layout.stage:
-        osd["zero_stage"] = type(osd["zero_stage"])(topo.zero)
-    if topo.zero == 3:
-        for key in _ZERO12_ONLY:
-            osd.pop(key, None)
-    elif layout.stage == 3:  # the ZeRO-1/2 entries, as DeepSpeed writes them
-        config = layout.model_states.get("ds_config") or {}
-        osd.update(clip_grad=float(config.get("gradient_clipping", 0.0)),
-                   ds_version=layout.model_states.get("ds_version"))
-    if topo.zero < 3 and (layout.stage == 3 or "param_alignment_paddings" in osd):
-        osd["param_alignment_paddings"] = [alignment_paddings(g, layout.align) for g in layout.groups]
-    if topo.zero == 3:
-        osd.update(optimizer_state_dict=state, fp32_flat_groups=masters, partition_count=topo.dp)
-    else:
-        last = rank == topo.dp - 1
-        osd.update(base_optimizer_state=state, single_partition_of_fp32_groups=masters,
-                   partition_count=[topo.dp] * len(groups),
-                   group_paddings=[(pending[(g, "exp_avg")].shape[0] * topo.dp
-                                    - sum(math.prod(s) for _, s in layout.groups[g])) * last
-                                   for g in groups] if layout.bf16_optimizer else list(pads))
-        if layout.fragment_type is not None:
-            osd["param_slice_mappings"] = [_fragments(layout.fragment_type, group, topo.dp, rank,
-                                                      layout.align) for group in layout.groups]
-    tree = dict(layout.optim_file)
-    tree["optimizer_state_dict"] = osd
-    if "ds_config" in tree:
-        tree["ds_config"] = _config(layout, topo)
-    return tree
 
 
 FRESH_DS_VERSION = "0.16.0"
@@ -960,8 +643,6 @@ def _hf_layout(index: CheckpointIndex, target: Topology, param_groups: str) -> L
     ``named_parameters()`` order (the hf reader's native index), tied aliases sharing their
     owner's tensor, no buffers, in ``param_groups`` (``decay``: Megatron's and the HF
     Trainer's split, weight decay off for biases and 1-D parameters; ``single``)."""
-    from converters.hf import FAMILY_KEY, CONFIG_KEY, spec_from_config, tied_aliases
-
     for axis in ("tp", "pp", "ep", "vpp"):
         if getattr(target, axis) != 1:
             raise TopologyError(f"DeepSpeed output with {axis.upper()}{getattr(target, axis)} is not "
@@ -999,15 +680,3 @@ def _hf_layout(index: CheckpointIndex, target: Topology, param_groups: str) -> L
         osd={"dynamic_loss_scale": False, "overflow": False, "zero_stage": target.zero,
              "ds_version": FRESH_DS_VERSION},
         hyper=[{} for _ in groups], steps=[torch.tensor(0.0) for _ in groups])
-
-
-def _fragments(cls: type, group: Group, dp: int, rank: int, align: int = 1) -> OrderedDict:
-    """``param_slice_mappings``: each parameter in this partition, ``fragment_address(numel,
-    start)`` with start the offset inside the partition (read by ds_to_universal)."""
-    shard, _ = zero_partition(group, dp, rank, align=align)
-    out = OrderedDict()
-    for offset, region in shard.parts:
-        address = cls.__new__(cls)  # the source's opaque class: pickled back under its name
-        address.__setstate__({"numel": region.numel, "start": offset})
-        out[region.key] = address
-    return out

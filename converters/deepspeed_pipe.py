@@ -18,7 +18,7 @@ model and each stage builds a contiguous run of them. ``save_checkpoint`` then w
   ``checkpoint_parallel_dimensions``. Megatron-DeepSpeed's client state adds ``args``,
   ``checkpoint_version`` (3.0), ``iteration``, ``tokens`` and ``rng_state``.
 * ``[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt``: that stage's flat param
-  groups cut by :func:`~converters.deepspeed.zero_partition`, at ZeRO-1, or from
+  groups cut by :func:`~converters.zero.zero_partition`, at ZeRO-1, or from
   DeepSpeed's BF16_Optimizer, which a bf16 pipeline runs at stage 0 (its fp32 partitions
   keep the tail padding). DeepSpeed runs pipelines at ZeRO 0 or 1 only. Optimizer state
   that cannot be mapped leaves the weights readable and says why (``index.unmapped``).
@@ -56,15 +56,15 @@ from ckptool.core.topology import Topology
 from converters.megatron_common import normalize_args, params_by_key, spec_from_args, to_canonical
 from converters.megatron_optimizer import state_key
 from converters.megatron_ranks import add_piece, check_legacy_schema
+from converters.zero import (MOMENTS, OPTIM_FILE, PER_RANK, PIPELINE_KEY, Layout, add_region, ds_config_for,
+                             int_or_none, optim_states_tree, rank_files, zero_partition, zero_stage)
 
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 MP_FILE = "mp_rank_{:02d}_model_states.pt"
-PIPELINE_KEY = "deepspeed.pipeline"
 _TIED = re.compile(r"^tied_modules\.[^.]+\.(.+)$")
 _PARAM = re.compile(r"^(\d+)\.(.+)$")
 _CARRIED = ("iteration", "checkpoint_version", "tokens", "global_steps", "global_samples",
             "skipped_steps", "lr_scheduler", "ds_config")
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def is_pipeline(names) -> bool:
@@ -122,7 +122,7 @@ class PipeLayout:
     model_optimizer: bool = False
     """The model states hold the optimizer's state dict too (BF16_Optimizer at stage 0)."""
     optim: Any = None
-    """The optimizer files' non-tensor entries (:class:`converters.deepspeed.Layout`)."""
+    """The optimizer files' non-tensor entries (:class:`converters.zero.Layout`)."""
 
     @property
     def tied_key(self) -> str:
@@ -144,8 +144,6 @@ class _Rank:
 
 def read_pipeline(reader, store, tag: str, names: list[str]) -> CheckpointIndex:
     """The canonical global view of a pipeline checkpoint in ``tag`` (``names``: its files)."""
-    from converters.deepspeed import _OPTIM, _add, _int, _ranks, _stage
-
     where = store.display(tag)
     join = (lambda n: f"{tag}/{n}") if tag else (lambda n: n)
     layer_files = {(int(m.group(1)), int(m.group(2) or 0)): join(n)
@@ -177,15 +175,15 @@ def read_pipeline(reader, store, tag: str, names: list[str]) -> CheckpointIndex:
         raise BadCheckpoint(f"model-states files missing for TP{topo.tp}/PP{topo.pp}: "
                             f"{[r.rsplit('/', 1)[-1] for r in missing]}", path=where)
     layers = _pipe_layers(layer_files, spec, topo, where)
-    optim = {(int(m.group(2)), int(m.group(3))): join(n) for n in names if (m := _OPTIM.match(n))}
+    optim = {(int(m.group(2)), int(m.group(3))): join(n) for n in names if (m := OPTIM_FILE.match(n))}
     osd0 = None
     if optim:
         osd0 = reader._load(store, optim[min(optim)]).obj.get("optimizer_state_dict")
-    stage = _stage(osd0, ms)
+    stage = zero_stage(osd0, ms)
     index = CheckpointIndex(format="deepspeed", url=store.url,
                             topology=Topology(tp=topo.tp, pp=topo.pp, dp=dp, zero=stage),
                             model_config=_asdict(spec), true_vocab_size=spec.vocab_size if vocab_known else None,
-                            iteration=_int(ms.get("iteration", ms.get("global_steps"))),
+                            iteration=int_or_none(ms.get("iteration", ms.get("global_steps"))),
                             format_version=str(ms.get("ds_version") or "") or None,
                             written_by_ckptool="ckptool" in ms)
     index.objects["args"] = ObjectInfo("args", value=args)
@@ -220,9 +218,9 @@ def read_pipeline(reader, store, tag: str, names: list[str]) -> CheckpointIndex:
     else:
         try:
             for mp, rel in enumerate(mp_rels):
-                rels = _ranks({r: f for (r, m), f in optim.items() if m == mp}, dp, "optimizer", where)
+                rels = rank_files({r: f for (r, m), f in optim.items() if m == mp}, dp, "optimizer", where)
                 record.groups[mp] = _read_optimizer(reader, store, index, rel, rels, mp, layers, params,
-                                                    padded, topo, _add)
+                                                    padded, topo, add_region)
                 if mp == 0:
                     record.optim = _optim_layout(reader, store, rels[0], record, stage)
         except UnreadableInput as exc:  # the weights stay readable; nothing half-mapped
@@ -263,8 +261,6 @@ def _read_optimizer(reader, store, index, ms_rel, rels, mp, layers: PipeLayers, 
     """ZeRO-1: every DP rank's partition of model-parallel rank ``mp``'s param groups. Each
     parameter's flat range of the partition is cut into the canonical regions its TP shard
     holds (the same rule as its weight). Returns the param groups (names, TP shard shapes)."""
-    from converters.deepspeed import zero_partition
-
     tp_rank, pp_rank = mp % topo.tp, mp // topo.tp
     ms = reader._load(store, ms_rel).obj
     source = store.display(ms_rel)
@@ -328,9 +324,7 @@ def flat_regions(parts, start: int, stop: int, key: str) -> list[tuple[int, Regi
 
 def _optim_layout(reader, store, rel: str, record: PipeLayout, stage: int):
     """The non-tensor entries of model-parallel rank 0's first optimizer file, as the plain
-    DeepSpeed writer carries them (:class:`converters.deepspeed.Layout`)."""
-    from converters.deepspeed import _PER_RANK, Layout
-
+    DeepSpeed writer carries them (:class:`converters.zero.Layout`)."""
     archive = reader._load(store, rel)
     osd = archive.obj.get("optimizer_state_dict") or {}
     base = osd.get("base_optimizer_state") or {}
@@ -346,7 +340,7 @@ def _optim_layout(reader, store, rel: str, record: PipeLayout, stage: int):
         model_states=record.model_states,
         optim_file={k: None if k == "optimizer_state_dict" else archive.materialize(v)
                     for k, v in archive.obj.items()},
-        osd={k: archive.materialize(v) for k, v in osd.items() if k not in _PER_RANK},
+        osd={k: archive.materialize(v) for k, v in osd.items() if k not in PER_RANK},
         hyper=[archive.materialize({k: v for k, v in g.items() if k != "params"})
                for g in base["param_groups"]],
         steps=[archive.materialize(base["state"][g].get("step")) for g in range(len(groups))],
@@ -471,7 +465,7 @@ class PipelineWriter:
     * Stage p builds the specs :func:`stage_bounds` gives it. Its parameters, in
       ``PipelineModule.named_parameters()`` order (the tied module, registered before the
       layers, then each spec's in state-dict order), go to the param group each parameter
-      was in at the source, and :func:`~converters.deepspeed.zero_partition` cuts every
+      was in at the source, and :func:`~converters.zero.zero_partition` cuts every
       group. Both rules are checked against the source's own stages before anything is
       written.
     * A stage that builds the tied head (PP > 1) holds DeepSpeed's copy of the whole tied
@@ -687,7 +681,6 @@ def _optim_tensors(stage, placed: dict, dp: int, rank: int, index, prefix: str |
 
     from ckptool.core.engine import TargetTensor
     from ckptool.core.regions import Shard
-    from converters.deepspeed import zero_partition
 
     tensors, pads = [], []
     for g, group in enumerate(stage.groups):
@@ -709,9 +702,7 @@ def _optim_tensors(stage, placed: dict, dp: int, rank: int, index, prefix: str |
 def _optim_tree(stage, topo: Topology, rank: int, pads: list[int], pending: dict) -> dict:
     """The plain writer's optimizer file for a stage, with the per-parameter alignment
     paddings (zeros: non-zero ones are refused on reading) of the stage's own groups."""
-    from converters.deepspeed import _optim_states
-
-    tree = _optim_states(stage, topo, rank, pads, pending)
+    tree = optim_states_tree(stage, topo, rank, pads, pending)
     osd = tree["optimizer_state_dict"]
     if "param_alignment_paddings" in osd:
         osd["param_alignment_paddings"] = [[0] * len(group) for group in stage.groups]
@@ -723,9 +714,7 @@ def _optim_tree(stage, topo: Topology, rank: int, pads: list[int], pending: dict
 def _pipe_config(stage, topo: Topology) -> dict:
     """The plain writer's ds_config rule (per-GPU micro batch for the new DP), the ZeRO
     stage left as the source's (a bf16 pipeline's is 0, though it reads as ZeRO-1)."""
-    from converters.deepspeed import _config
-
-    config = _config(stage, topo)
+    config = ds_config_for(stage, topo)
     source = (stage.model_states.get("ds_config") or {}).get("zero_optimization")
     if isinstance(source, dict) and "stage" in source:
         config["zero_optimization"]["stage"] = source["stage"]

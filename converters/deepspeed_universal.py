@@ -48,10 +48,10 @@ from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending, TensorRef
 from ckptool.core.torchreader import save_target
-from converters.deepspeed import (LAYOUT_KEY, MARK, DeepSpeedReader, Layout, _add, _int, _state_key,
-                                  zero3_partition)
-from converters.deepspeed_pipe import PIPELINE_KEY
+from converters.hf_schema import CONFIG
 from converters.megatron_optimizer import state_key
+from converters.zero import (LAYOUT_KEY, MARK, PIPELINE_KEY, Layout, ZeroReader, add_region, int_or_none,
+                             source_state_key, zero3_partition)
 
 NAME = "deepspeed-universal"
 LATEST_UNIVERSAL = "latest_universal"
@@ -75,9 +75,10 @@ def _tag(store: Store) -> str:
     raise UnreadableInput("no DeepSpeed universal checkpoint (zero/ directory) found", path=store.url)
 
 
-class UniversalReader(DeepSpeedReader):
+class UniversalReader(ZeroReader):
     """Reads ckptool's and ds_to_universal's output (mp=1). ``canonical`` (an HF model's
-    names, ``config.json`` beside ``latest_universal``) is the DeepSpeed reader's."""
+    names, ``config.json`` beside ``latest_universal``) is the DeepSpeed reader's: both are
+    :class:`~converters.zero.ZeroReader`."""
 
     name = NAME
 
@@ -113,7 +114,7 @@ class UniversalReader(DeepSpeedReader):
         if not groups:
             raise BadCheckpoint("model states have no param_shapes", path=store.display(first))
         index = CheckpointIndex(format=NAME, url=store.url, topology=Topology(),
-                                iteration=_int(ms.get("global_steps")),
+                                iteration=int_or_none(ms.get("global_steps")),
                                 format_version=str(ms.get("ds_version") or "") or None,
                                 written_by_ckptool=MARK in ms)
         for key in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "ds_config"):
@@ -165,7 +166,7 @@ class UniversalReader(DeepSpeedReader):
         else:
             raise BadCheckpoint(f"tensor is {list(ref.shape)}, param_shapes say {list(shape)}",
                                 path=store.display(rel), key=key)
-        _add(index, key, ref, region, rel, path, 0)
+        add_region(index, key, ref, region, rel, path, 0)
 
     def _step(self, store, join, g, group, osd):
         """Param group ``g``'s optimizer step: its parameters' ``step.pt`` (all equal), else the
@@ -198,11 +199,11 @@ class UniversalReader(DeepSpeedReader):
             owner = shared.get(name)
             if owner is not None or (name in trainable and not weights):
                 if owner is not None and ref.numel:
-                    _add(index, owner, ref, Region.whole(owner, ref.shape), first, ("module", name), 0,
+                    add_region(index, owner, ref, Region.whole(owner, ref.shape), first, ("module", name), 0,
                          replica=True)
                 continue  # an alias, or a weight whose master is the weight itself
             if ref.numel or name in trainable or name in buffers:
-                _add(index, name, ref, Region.whole(name, ref.shape), first, ("module", name), 0)
+                add_region(index, name, ref, Region.whole(name, ref.shape), first, ("module", name), 0)
                 continue
             shape = tuple(frozen_shapes.get(name) or ())
             rel = join(f"{ZERO}/{name}/fp32.pt")
@@ -227,7 +228,7 @@ class UniversalReader(DeepSpeedReader):
                                     f"this rank's ZeRO-3 slice ({shard.shape[0]} elements)",
                                     path=store.display(rel), key=name)
             for offset, region in shard.parts:
-                _add(index, name, ref, region, rel, ("frozen_param_fragments", name), offset)
+                add_region(index, name, ref, region, rel, ("frozen_param_fragments", name), offset)
 
 
 def _same(a, b) -> bool:
@@ -249,8 +250,6 @@ class UniversalWriter(Writer):
 
     def bind(self, opened) -> None:
         """An HF Trainer run's config.json goes beside ``latest_universal`` too."""
-        from converters.hf import CONFIG
-
         if opened.store.exists(CONFIG):
             self._config = opened.store.read_bytes(CONFIG)
 
@@ -275,7 +274,7 @@ class UniversalWriter(Writer):
                              hint="A stage-0 checkpoint holds no ZeRO optimizer layout to convert")
         layout: Layout = index.objects[LAYOUT_KEY].value
         names = [n for group in layout.groups for n, _ in group]
-        if any(_state_key(index, "fp32_param", n) not in index.tensors for n in names):
+        if any(source_state_key(index, "fp32_param", n) not in index.tensors for n in names):
             raise UsageError(f"the source's optimizer state does not hold an fp32 master of every "
                              f"trainable parameter, which {NAME} output needs", path=index.url)
         return None
@@ -297,7 +296,7 @@ class UniversalWriter(Writer):
         for g, group in enumerate(layout.groups):
             for name, shape in group:
                 for kind, stem in FILES.items():
-                    key = _state_key(index, kind, name)
+                    key = source_state_key(index, kind, name)
                     files.append(_whole_file(f"{zero}/{name}/{stem}.pt", index, key, shape,
                                              {CAT_DIM: 0}))
                 files.append(TargetFile(f"{zero}/{name}/step.pt", context={"tree": layout.steps[g]}))
@@ -336,8 +335,6 @@ class UniversalWriter(Writer):
         return save_target(store, target, target.context["tree"], fill)
 
     def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
-        from converters.hf import CONFIG
-
         store.write_bytes(LATEST_UNIVERSAL, index.objects[LAYOUT_KEY].value.tag.encode())
         if self._config is None:
             return [LATEST_UNIVERSAL]

@@ -210,6 +210,7 @@ def test_parameter_alignment_padding_is_laid_out_by_the_rule(tmp_path, stage):
 @pytest.mark.parametrize("edit,message", [
     ("three_groups", "3 param groups: only one group or the weight-decay split"),
     ("ambiguous", "do not match the model's weight-decay parameters in one way only"),
+    ("amsgrad", "max_exp_avg_sq (amsgrad?) is not carried"),
 ])
 def test_stage0_optimizer_that_cannot_be_named_is_refused(ds, run_cli, tmp_path, edit, message):
     """Stage 0 numbers parameters by position; a grouping ckptool cannot map by its rule, or
@@ -224,6 +225,9 @@ def test_stage0_optimizer_that_cannot_be_named_is_refused(ds, run_cli, tmp_path,
     if edit == "three_groups":
         groups.append(dict(groups[1], params=groups[1]["params"][2:]))
         groups[1]["params"] = groups[1]["params"][:2]
+    elif edit == "amsgrad":  # AdamW(amsgrad=True) keeps a third tensor per parameter
+        for entry in ms["optimizer"]["state"].values():
+            entry["max_exp_avg_sq"] = entry["exp_avg_sq"].clone()
     else:  # fc1.weight given fc2.weight's shape and dropped: the state left fits either
         ms["module"]["fc1.weight"] = ms["module"]["fc2.weight"].clone()
         first = groups[0]["params"].pop(1)

@@ -37,9 +37,9 @@ def _hf(root, family, dtype=torch.float32):
 
 
 def _convert(run_cli, src, dst, stage, groups, fresh, dp=2):
-    args = ["convert", src, dst, "--to", "deepspeed", "--dp", str(dp), "--param-groups", groups]
+    args = ["convert", src, dst, "--to", "deepspeed", "--dp", str(dp)]
     if fresh:
-        args += ["--zero", str(stage), "--init-optimizer"]
+        args += ["--zero", str(stage), "--init-optimizer", "--param-groups", groups]
     res = run_cli(*args)
     assert res.code == 0, res.err
     return res
@@ -55,7 +55,7 @@ def started(tmp_path_factory):
         dst = root / f"{family}_z{stage}_{groups}_{int(fresh)}"
         convert(str(_hf(root, family)), str(dst), to_format="deepspeed",
                 to={"dp": 2, "zero": stage if fresh else None}, init_optimizer=fresh,
-                options={"param_groups": groups})
+                options={"param_groups": groups if fresh else None})
         jobs.append((family, stage, groups, dst, "fresh" if fresh else "module", f"{dst}.result.pt"))
     H.hf_start(2, jobs)
     return {case: torch.load(job[-1]) for case, job in zip(CASES, jobs)}
@@ -89,6 +89,20 @@ def test_hf_deepspeed_hf_is_bit_exact(run_cli, tmp_path, family, dtype, stage):
         assert b[k].dtype == a[k].dtype and torch.equal(a[k], b[k]), k
 
 
+def test_a_reshard_keeps_the_config_so_the_result_still_converts_back(run_cli, tmp_path):
+    from safetensors.torch import load_file
+
+    src = _hf(tmp_path, "gpt2", torch.bfloat16)
+    _convert(run_cli, src, tmp_path / "ds", 2, "decay", True, dp=2)
+    res = run_cli("reshard", tmp_path / "ds", tmp_path / "ds3", "--to-dp", "3", "--to-zero", "3")
+    assert res.code == 0, res.err
+    assert (tmp_path / "ds3" / "config.json").read_bytes() == (tmp_path / "ds" / "config.json").read_bytes()
+    res = run_cli("convert", tmp_path / "ds3", tmp_path / "back", "--to", "hf")
+    assert res.code == 0, res.err
+    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+
+
 def test_fresh_state_is_zero_moments_and_masters_equal_to_the_weights(run_cli, tmp_path):
     from ckptool.checkpoint import open_checkpoint
 
@@ -118,5 +132,7 @@ def test_refusals_name_the_fix(run_cli, tmp_path):
     assert res.code == 2 and "does not apply to hf" in res.err, res.err
     res = run_cli("convert", src, tmp_path / "e", "--to", "deepspeed", "--tp", "2")
     assert res.code == 2 and "TP2" in res.err, res.err
-    for name in "abcde":
+    res = run_cli("convert", src, tmp_path / "f", "--to", "deepspeed", "--param-groups", "single")
+    assert res.code == 2 and "--param-groups applies to a fresh optimizer state" in res.err, res.err
+    for name in "abcdef":
         assert not (tmp_path / name).exists()

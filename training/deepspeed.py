@@ -2,7 +2,7 @@
 
 A rank of a ZeRO-1/2/3 engine (mp=1, no pipeline) holds, per optimizer param group, a flat
 partition of the fp32 masters and of the Adam moments. :func:`sharded_state` describes them
-with the layout rules and global keys of ``converters.deepspeed`` (:func:`zero_partition`,
+with the layout rules and global keys of ``converters.zero`` (:func:`zero_partition`,
 :func:`zero3_partition`, ``param_shapes`` order as DeepSpeed's ``_get_zero_param_shapes``
 builds it), so a checkpoint saved at DP=2 loads at DP=3, or converts offline:
 
@@ -29,8 +29,8 @@ import torch
 
 from ckptool.core.errors import UsageError
 from ckptool.core.regions import Region, Shard
-from converters.deepspeed import parameter_alignment, zero3_partition, zero_partition
 from converters.megatron_optimizer import state_key
+from converters.zero import parameter_alignment, zero3_partition, zero_partition
 from training.state import Sharded
 
 ADAM_KINDS = ("exp_avg", "exp_avg_sq")

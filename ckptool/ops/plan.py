@@ -213,14 +213,9 @@ def model_from(path: str) -> tuple[ModelSpec, Topology | None]:
 
 def _spec_from_json(config: dict, path: str) -> ModelSpec:
     if "model_type" in config or "architectures" in config:
-        from converters.hf import _ARCHITECTURES, _MODEL_TYPES, spec_from_config
+        from converters.hf_schema import family_of_config, spec_from_config
 
-        family = _MODEL_TYPES.get(str(config.get("model_type"))) or next(
-            (_ARCHITECTURES[a] for a in config.get("architectures") or () if a in _ARCHITECTURES), None)
-        if family is None:
-            raise UsageError(f"unknown model_type {config.get('model_type')!r}", path=path,
-                             hint="Give --params N")
-        return spec_from_config(config, family)
+        return spec_from_config(config, family_of_config(config, None, path))
     if "num_layers" in config:  # Megatron args as JSON
         import argparse
 
