@@ -1,8 +1,8 @@
 """``ckptool reshard`` of Megatron-DeepSpeed pipeline checkpoints to another PP (and TP, DP),
 checked against real DeepSpeed: a ``PipelineEngine`` trained and saved at TP1/PP2
 (``tests/ds_pipe_harness.py``), resharded from the CLI, loaded by plain
-``engine.load_checkpoint`` at PP1, PP4 and PP1×DP2. TP2 targets are checked by reading
-them back (a DeepSpeed load at TP2 needs tensor-parallel layers in the harness).
+``engine.load_checkpoint`` at PP1, PP4 and PP1×DP2. TP2 targets are read back here and
+loaded by DeepSpeed into a tensor-parallel model in ``tests/test_deepspeed_pipe_tp.py``.
 
 What the engine holds after the load is compared with what the saving engine held, by
 parameter name, bit for bit; the next ``train_batch`` (same global batch) gives the loss of

@@ -1,0 +1,122 @@
+"""``ckptool reshard`` of a Megatron-DeepSpeed pipeline checkpoint to TP2, loaded by real
+DeepSpeed: a TP1/PP2 fp32 ZeRO-1 ``PipelineEngine`` run (``tests/ds_pipe_harness.py``),
+resharded from the CLI to TP2/PP1 and TP2/PP2, then loaded by plain
+``engine.load_checkpoint`` into the same model made tensor-parallel
+(``tests/ds_pipe_tp_harness.py``).
+
+Each TP-split tensor's shards, concatenated back by the harness's rule (``split_dim``), and
+each replicated tensor on every TP rank, equal what the saving engine held, by parameter
+name, bit for bit: the fp32 masters and Adam moments (the optimizer files) and the module's
+weights (the layer files). The next ``train_batch`` gives the loss of the TP1 run that went
+on without resharding. A copy whose ``query_key_value`` rows are put in ``[q; k; v]`` blocks
+instead of per head shows the loss sees the per-head layout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.conftest import peer
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+peer("deepspeed")
+
+from tests import ds_harness as H  # noqa: E402
+from tests import ds_pipe_harness as P  # noqa: E402
+from tests import ds_pipe_tp_harness as T  # noqa: E402
+
+KINDS = ("params", "exp_avg", "exp_avg_sq")
+DEAD = "tied_modules.embed.position_embeddings.weight"
+"""The last stage's copy of the tied position embeddings: no forward uses it, no layer file
+keeps it (DeepSpeed leaves the module's copy as built); its optimizer state is written as a
+replica of the live one."""
+TAG = f"global_step{H.STEPS}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds_pipe_tp")
+    P.save(root, runs=[("pipe", 1, "fp32")])
+    truths = [torch.load(root / f"pipe.rank{r}.truth.pt", weights_only=False) for r in range(2)]
+    source = {}
+    for truth in truths:  # a tied module's from the first stage (the live copy)
+        for kind in KINDS:
+            for name, value in truth["state"][kind].items():
+                source.setdefault((kind, name), value)
+    return root / "pipe", source, truths[0]["loss"]
+
+
+def _reshard(run_cli, src, dst, tp: int, pp: int):
+    res = run_cli("reshard", src, dst, "--to-tp", str(tp), "--to-pp", str(pp))
+    assert res.code == 0, res.err
+    assert f"-> {dst} (TP{tp}/PP{pp}/DP1/ZeRO-1), deepspeed" in res.out
+
+
+def _whole(shards: list[torch.Tensor], name: str) -> torch.Tensor:
+    """The full tensor from its TP shards (rank order); a replicated one must be the same on
+    every rank."""
+    dim = T.split_dim(name)
+    if dim is not None:
+        return torch.cat(shards, dim)
+    assert all(torch.equal(s, shards[0]) for s in shards[1:]), name
+    return shards[0]
+
+
+def _check(results: list[dict], source: dict, loss: float, stages: int) -> int:
+    by_stage: dict[int, dict[int, dict]] = {}
+    for g in results:
+        assert g["global_steps"] == H.STEPS and g["dp"] == 0
+        by_stage.setdefault(g["stage"], {})[g["tp"]] = g
+        assert abs(g["loss"] - loss) / abs(loss) < 1e-5, (g["stage"], g["tp"], g["loss"], loss)
+    assert sorted(by_stage) == list(range(stages)) and all(sorted(t) == [0, 1] for t in by_stage.values())
+    checked = 0
+    for stage, ranks in by_stage.items():
+        tps = [ranks[t] for t in sorted(ranks)]
+        for kind in KINDS:
+            names = tps[0]["state"][kind]
+            assert all(t["state"][kind].keys() == names.keys() for t in tps)
+            for name in names:
+                got = _whole([t["state"][kind][name] for t in tps], name)
+                assert torch.equal(got, source[kind, name]), (stage, kind, name)
+                checked += 1
+        for name in tps[0]["module"]:
+            if stage > 0 and name == DEAD:
+                continue
+            got = _whole([t["module"][name] for t in tps], name)
+            assert torch.equal(got, source["params", name]), (stage, "module", name)
+    return checked
+
+
+def _qkv_in_blocks(tag_dir) -> None:
+    """Rewrite every layer file's ``query_key_value`` rows from per head ``[q_h; k_h; v_h]``
+    to ``[q; k; v]`` over the rank's heads (the shapes stay)."""
+    d = H.PIPE_ARGS["hidden_size"] // H.PIPE_ARGS["num_attention_heads"]
+    for path in tag_dir.glob("layer_*-model_states.pt"):
+        state = torch.load(path, weights_only=False)
+        for key in [k for k in state if "query_key_value" in k]:
+            t = state[key]
+            state[key] = t.reshape(-1, 3, d, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+        torch.save(state, path)
+
+
+def test_tp2_pp1_loads_in_deepspeed_with_the_exact_state(runs, run_cli, tmp_path):
+    src, source, loss = runs
+    _reshard(run_cli, src, tmp_path / "tp2", 2, 1)
+    shutil.copytree(tmp_path / "tp2", tmp_path / "blocks")
+    _qkv_in_blocks(tmp_path / "blocks" / TAG)
+    T.load(2, [(tmp_path / "tp2", 2, 1, tmp_path / "got"), (tmp_path / "blocks", 2, 1, tmp_path / "bad")])
+    assert _check(P.results(tmp_path / "got", 2), source, loss, stages=1) == 3 * 52
+    for g in P.results(tmp_path / "bad", 2):  # the control: the harness reads the per-head layout
+        assert abs(g["loss"] - loss) / abs(loss) > 1e-3, g["loss"]
+
+
+def test_tp2_pp2_loads_in_deepspeed_with_the_exact_state(runs, run_cli, tmp_path):
+    """World 4: each stage's TP pair, and the last stage's copy of the tied embeddings."""
+    src, source, loss = runs
+    _reshard(run_cli, src, tmp_path / "tp2pp2", 2, 2)
+    T.load(4, [(tmp_path / "tp2pp2", 2, 2, tmp_path / "got")])
+    assert _check(P.results(tmp_path / "got", 4), source, loss, stages=2) == 3 * 54
