@@ -82,3 +82,45 @@ def test_a_box_read_into_another_dtype_is_converted(tmp_path):
     out = torch.empty(12, dtype=torch.bfloat16)
     archive.read_into(archive.obj["w"], 9, out)
     assert torch.equal(out, value.reshape(-1)[9:21].bfloat16())
+
+
+def test_scratch_pool_reuses_buffers_and_keeps_to_its_budget():
+    """The rewrite's fill buffers: reused from tensor to tensor, never more than the budget
+    in use at once across threads (one tensor always fits), and no worker waits forever."""
+    import threading
+
+    from ckptool.core.engine import Scratch, ScratchPool
+
+    pool = ScratchPool(budget=1000)
+    one = Scratch(pool)
+    a = one.take((100,), torch.float32)  # 400 bytes
+    ptr = a.data_ptr()
+    assert one.take((50,), torch.float32).data_ptr() == ptr  # the same buffer again
+    one.done()
+    big = one.take((600,), torch.float32)  # 2400 bytes: over budget, alone it still fits
+    assert big.numel() == 600
+    one.done()
+
+    peak, lock, errors = [0], threading.Lock(), []
+
+    def worker(seed):
+        scratch, g = Scratch(pool), torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(200):
+                n = int(torch.randint(1, 120, (1,), generator=g))
+                t = scratch.take((n,), torch.float32)
+                t.fill_(seed)
+                with lock:
+                    peak[0] = max(peak[0], pool._in_use)
+                assert bool((t == seed).all())  # nobody else writes into this buffer
+            scratch.done()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert peak[0] <= 2400 and pool._in_use == 0

@@ -8,6 +8,7 @@ overlapping elements. It never imports a format.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -46,22 +47,63 @@ ReadBox = Callable[[Piece, torch.dtype, tuple, torch.Tensor], None]
 """Write global ``box`` (inside the piece's region) of a stored piece into a view."""
 
 
-class Scratch:
-    """One reusable buffer for tensors that are produced, written and dropped one at a time
-    (a writer's ``produce``). Filling memory that is already mapped saves the page faults
-    and the kernel's zeroing of a fresh allocation per tensor: a third of a reshard's time
-    when the output goes to the page cache."""
+class ScratchPool:
+    """Fill buffers shared by the workers of one rewrite, reused from tensor to tensor, with
+    at most ``budget`` bytes in use at once (one tensor always fits, whatever its size).
 
-    def __init__(self):
-        self._buf = torch.empty(0, dtype=torch.uint8)
+    Filling memory that is already mapped saves the page faults and the kernel's zeroing of
+    a fresh allocation per tensor (a third of a reshard's time into the page cache); the
+    budget bounds the memory however many workers run: with ``2 x`` the largest tensor, at
+    most two of the largest are in flight."""
+
+    def __init__(self, budget: int):
+        self._budget = budget
+        self._free: list[torch.Tensor] = []
+        self._in_use = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least ``nbytes``; waits while the budget is spent."""
+        with self._cond:
+            while True:
+                fits = sorted((b.numel(), i) for i, b in enumerate(self._free) if b.numel() >= nbytes)
+                for size, i in fits:  # the smallest that fits and keeps to the budget
+                    if self._in_use + size <= self._budget or self._in_use == 0:
+                        self._in_use += size
+                        return self._free.pop(i)
+                if self._in_use + nbytes <= self._budget or self._in_use == 0:
+                    held = self._in_use + sum(b.numel() for b in self._free)
+                    while self._free and held + nbytes > self._budget:
+                        held -= self._free.pop(0).numel()  # too small: make room
+                    self._in_use += nbytes
+                    break
+                self._cond.wait()
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            self._in_use -= buf.numel()
+            self._free.append(buf)
+            self._cond.notify_all()
+
+
+class Scratch:
+    """One worker's view of a :class:`ScratchPool`: each tensor taken is valid until the next
+    take (the writer has written it by then) or :meth:`done`."""
+
+    def __init__(self, pool: ScratchPool):
+        self._pool, self._buf = pool, None
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A tensor of ``shape`` and ``dtype`` over the buffer, valid until the next take."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if self._buf.numel() < nbytes:
-            self._buf = torch.empty(0, dtype=torch.uint8)  # free the old one first
-            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.done()
+        self._buf = self._pool.acquire(nbytes)
         return self._buf[:nbytes].view(dtype).view(shape)
+
+    def done(self) -> None:
+        if self._buf is not None:
+            self._pool.release(self._buf)
+            self._buf = None
 
 
 def fill_tensor(t: TargetTensor, index: CheckpointIndex, read_box: ReadBox,

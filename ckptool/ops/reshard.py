@@ -8,6 +8,7 @@ written through an atomic output: DST appears whole, with its manifest, or not a
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -17,7 +18,7 @@ from typing import Callable
 
 import converters
 from ckptool.checkpoint import Opened, open_checkpoint
-from ckptool.core.engine import Scratch, bytes_read, fill_tensor
+from ckptool.core.engine import Scratch, ScratchPool, bytes_read, fill_tensor
 from ckptool.core.errors import CkptoolError, UsageError, UnsupportedFormat
 from ckptool.core.layout import check as check_layout
 from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifest
@@ -175,11 +176,14 @@ def _write_output(opened, dst, fmt, group, writer, plan, index, spec, target_top
             opened.reader.read_box_into(opened.store, piece, dtype, box, out_view)
 
         done = _journal(store)
-        local = threading.local()  # one scratch buffer per worker thread
+        largest = max((math.prod(t.shard.shape) * t.dtype.itemsize for f in plan for t in f.tensors),
+                      default=0)
+        buffers = ScratchPool(max(2 * largest, 256 << 20))  # two of the largest in flight at most
+        local = threading.local()
 
         def produce(t):
             if not hasattr(local, "scratch"):
-                local.scratch = Scratch()
+                local.scratch = Scratch(buffers)
             return fill_tensor(t, index, read_box, scratch=local.scratch)
 
         def write_one(target):
@@ -191,8 +195,12 @@ def _write_output(opened, dst, fmt, group, writer, plan, index, spec, target_top
                     with _JOURNAL_LOCK:
                         writer.absorb({target.path: record})
             else:
-                size, digest = writer.write_file(store, target, produce, index,
-                                                 true_vocab_size or index.true_vocab_size)
+                try:
+                    size, digest = writer.write_file(store, target, produce, index,
+                                                     true_vocab_size or index.true_vocab_size)
+                finally:
+                    if hasattr(local, "scratch"):
+                        local.scratch.done()  # the file is written: its last buffer is free
                 entry = FileEntry(target.path, size, digest)
                 _record(store, group.rank, entry, writer.records().get(target.path))
             if progress:
