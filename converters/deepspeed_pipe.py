@@ -57,7 +57,8 @@ from converters.megatron_common import normalize_args, params_by_key, spec_from_
 from converters.megatron_optimizer import state_key
 from converters.megatron_ranks import add_piece, check_legacy_schema
 from converters.zero import (MOMENTS, OPTIM_FILE, PER_RANK, PIPELINE_KEY, Layout, add_region, ds_config_for,
-                             int_or_none, optim_states_tree, rank_files, zero_partition, zero_stage)
+                             int_or_none, optim_states_tree, rank_files, round_robin, round_robin_undone,
+                             zero_partition, zero_stage)
 
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 MP_FILE = "mp_rank_{:02d}_model_states.pt"
@@ -502,11 +503,6 @@ class PipelineWriter:
         if target.zero != source.zero:
             raise TopologyError(f"DeepSpeed runs pipelines at ZeRO-1 (or its BF16_Optimizer); the "
                                 f"stage stays {source.zero}", path=index.url, hint="Drop --to-zero")
-        zero = (layout.model_states.get("ds_config") or {}).get("zero_optimization") or {}
-        if zero.get("round_robin_gradients"):
-            raise UsageError("DeepSpeed pipeline output of a run with round_robin_gradients is not "
-                             "supported yet (its flat order depends on the DP size)", path=index.url,
-                             hint="Convert to megatron, megatron-dist, hf or dcp")
         self.spec = target_spec(index, source, target, true_vocab_size)
         self._params = params_by_key(self.spec)
         check(self.spec, Topology(tp=target.tp))  # TP rules; PP follows DeepSpeed's, not Megatron's
@@ -523,7 +519,8 @@ class PipelineWriter:
                     group_of[_canonical(name, layout.layers, self._params, index.url)[0]] = g
         bounds = stage_bounds(layout.layers, source.pp)
         for p in range(source.pp):
-            got = [[name for name, _ in group] for group in layout.groups[p * source.tp]]
+            got = [[name for name, _ in _model_order(group, layout, source.dp)]
+                   for group in layout.groups[p * source.tp]]
             want = self._groups(layout, bounds, p, group_of, len(got), index.url)
             if got != want:
                 raise UsageError(f"stage {p}'s parameters are not those DeepSpeed's partition_method="
@@ -581,7 +578,8 @@ class PipelineWriter:
                 for name in (n for group in names for n in group):
                     canonical, param = _canonical(name, layout.layers, params, index.url)[:2]
                     placed[name] = canonical, split(param, t, topo.tp, padded)
-                groups = [[(n, placed[n][1].shape) for n in group] for group in names]
+                groups = [_flat_order([(n, placed[n][1].shape) for n in group], layout, topo.dp)
+                          for group in names]
                 stage = replace(layout.optim, groups=groups)
                 ctx = {"kind": "model", "topo": topo, "tp": t, "pp": p, "stage": stage}
                 model = TargetFile(f"{tag}/{MP_FILE.format(mp)}", context=ctx)
@@ -669,6 +667,22 @@ def stage_parameters(layout: PipeLayout, lo: int, hi: int) -> list[str]:
         if idx in layout.entries and not (tied and idx == layers.embedding):
             names += [f"{idx}.{n}" for n in layout.entries[idx]]
     return names
+
+
+def _round_robin(layout) -> bool:
+    """The run flattens its groups in ``round_robin_gradients`` order (ZeRO-1, not BF16_Optimizer)."""
+    zero = (layout.model_states.get("ds_config") or {}).get("zero_optimization") or {}
+    return bool(zero.get("round_robin_gradients")) and not layout.optim.bf16_optimizer
+
+
+def _model_order(group, layout, dp: int):
+    """A stage's group in the model's order (``param_shapes`` holds the flat order)."""
+    return round_robin_undone(group, dp) if _round_robin(layout) else group
+
+
+def _flat_order(group, layout, dp: int):
+    """A stage's group (model order) in the order the engine at ``dp`` flattens it."""
+    return round_robin(group, dp) if _round_robin(layout) else group
 
 
 def _optim_tensors(stage, placed: dict, dp: int, rank: int, index, prefix: str | None = None):

@@ -79,6 +79,7 @@ def _save_worker(rank: int, world: int, root: str, pp: int, runs: list, port: in
             "rng_state": rng})
         record = _record(eng)
         record["loss"] = train_batch(eng, H.NEXT_STEP)
+        record["module_after"] = H.module_state(eng)
         torch.save(record, f"{root}/{name}.rank{rank}.truth.pt")
 
 
@@ -90,6 +91,7 @@ def _load_worker(rank: int, world: int, jobs: list, port: int) -> None:
         assert path is not None, f"DeepSpeed found no checkpoint in {ckpt}"
         record = _record(eng)
         record["loss"] = train_batch(eng, H.NEXT_STEP)
+        record["module_after"] = H.module_state(eng)
         torch.save(record, f"{result}.rank{rank}.pt")
 
 
