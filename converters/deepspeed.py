@@ -384,24 +384,28 @@ def stage0_groups(ms: dict, aliases: dict[str, str]):
 
 
 def _unique_subsequence(want: list, pool: list) -> list[int] | None:
-    """Positions in ``pool`` where ``want`` occurs as a subsequence, if exactly one way."""
-    n, m = len(want), len(pool)
-    # ways[i][j]: embeddings of want[i:] into pool[j:] (capped at 2)
-    ways = [[0] * (m + 1) for _ in range(n + 1)]
-    for j in range(m + 1):
-        ways[n][j] = 1
-    for i in range(n - 1, -1, -1):
-        for j in range(m - 1, -1, -1):
-            ways[i][j] = min(2, ways[i][j + 1] + (ways[i + 1][j + 1] if want[i] == pool[j] else 0))
-    if ways[0][0] != 1:
-        return None
-    picked, j = [], 0
-    for i in range(n):
-        while not (want[i] == pool[j] and ways[i + 1][j + 1] == 1 and ways[i][j + 1] == 0):
+    """Positions in ``pool`` where ``want`` occurs as a subsequence, if exactly one way.
+
+    Every embedding lies between the leftmost (greedy from the front) and the rightmost
+    (greedy from the back), position by position, so it is unique exactly when those two
+    are the same: linear time, whatever the model's size."""
+    def greedy(items, values):
+        out, j = [], 0
+        for value in items:
+            while j < len(values) and values[j] != value:
+                j += 1
+            if j == len(values):
+                return None
+            out.append(j)
             j += 1
-        picked.append(j)
-        j += 1
-    return picked
+        return out
+
+    left = greedy(want, pool)
+    right = greedy(want[::-1], pool[::-1])
+    if left is None or right is None:
+        return None
+    right = [len(pool) - 1 - j for j in reversed(right)]
+    return left if left == right else None
 
 
 def _loss_scaler():

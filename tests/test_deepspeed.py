@@ -250,3 +250,19 @@ def test_a_legacy_stage1_checkpoint_is_refused_by_its_ds_version(ds, run_cli, tm
         torch.save(sd, path)
     res = run_cli("inspect", src)
     assert res.code == 2 and "legacy stage-1 partitioning" in res.err, res.err
+
+
+def test_unique_subsequence_matches_brute_force():
+    """The stage-0 name mapping's one-way-only rule, against counting every embedding."""
+    import itertools
+    import random
+
+    from converters.deepspeed import _unique_subsequence
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        pool = [rng.randint(0, 2) for _ in range(rng.randint(0, 8))]
+        want = [rng.randint(0, 2) for _ in range(rng.randint(0, len(pool)))]
+        found = [list(c) for c in itertools.combinations(range(len(pool)), len(want))
+                 if all(pool[c[i]] == want[i] for i in range(len(want)))]
+        assert _unique_subsequence(want, pool) == (found[0] if len(found) == 1 else None)
