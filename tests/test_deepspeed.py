@@ -266,3 +266,20 @@ def test_unique_subsequence_matches_brute_force():
         found = [list(c) for c in itertools.combinations(range(len(pool)), len(want))
                  if all(pool[c[i]] == want[i] for i in range(len(want)))]
         assert _unique_subsequence(want, pool) == (found[0] if len(found) == 1 else None)
+
+
+def test_zero_amsgrad_state_is_never_dropped_silently(ds, run_cli, tmp_path):
+    """AdamW(amsgrad=True) keeps max_exp_avg_sq beside the moments: not carried, so refused
+    (with --drop-optimizer named), never written without it."""
+    import shutil
+
+    src = tmp_path / "z2"
+    shutil.copytree(ds / "z2", src)
+    for path in (src / "global_step2").glob("*optim_states.pt"):
+        sd = torch.load(path, weights_only=False)  # our own test fixture
+        for entry in sd["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+            entry["max_exp_avg_sq"] = entry["exp_avg_sq"].clone()
+        torch.save(sd, path)
+    res = run_cli("reshard", src, tmp_path / "out", "--to-dp", "3")
+    assert res.code == 2 and "max_exp_avg_sq (amsgrad?) is not carried" in res.err, res.err
+    assert "--drop-optimizer" in res.err and not (tmp_path / "out").exists()
