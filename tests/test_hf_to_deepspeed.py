@@ -107,7 +107,14 @@ def test_fresh_state_is_zero_moments_and_masters_equal_to_the_weights(run_cli, t
     from ckptool.checkpoint import open_checkpoint
 
     src = _hf(tmp_path, "llama", torch.bfloat16)
-    _convert(run_cli, src, tmp_path / "ds", 2, "decay", True, dp=3)
+    res = _convert(run_cli, src, tmp_path / "ds", 2, "decay", True, dp=3)
+    import re
+
+    # read: the bf16 weights once for the module and once (counted as fp32) for the masters;
+    # the zero moments (2 x 4 bytes per element) read nothing
+    weights = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1024
+    read = float(re.search(r"read ([\d.]+) KiB", res.out).group(1))
+    assert 2.5 * weights < read < 3.1 * weights, res.out
     opened = open_checkpoint(str(tmp_path / "ds"))
     assert opened.index.topology.dp == 3 and opened.index.topology.zero == 2
     name = "model.layers.0.self_attn.q_proj.weight"

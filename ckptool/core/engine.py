@@ -143,7 +143,8 @@ def fill_into(shard: Shard, out: torch.Tensor, index: CheckpointIndex, read_box:
 
 
 def bytes_read(targets: list[TargetFile], index: CheckpointIndex) -> int:
-    """How many source bytes the plan reads (the overlaps, not whole pieces)."""
+    """How many source bytes the plan reads (the overlaps, not whole pieces; a piece that no
+    file holds, such as a fresh optimizer state's zeros, reads nothing)."""
     total = 0
     for target in targets:
         for t in target.tensors:
@@ -151,6 +152,6 @@ def bytes_read(targets: list[TargetFile], index: CheckpointIndex) -> int:
                 info = index.tensors.get(region.key)
                 if info is None:
                     continue
-                plan = plan_copies([p.region for p in info.pieces], [region])
+                plan = plan_copies([p.region for p in info.pieces if p.location.file], [region])
                 total += sum(c.numel for c in plan) * info.dtype.itemsize
     return total
