@@ -532,10 +532,12 @@ class DeepSpeedWriter(Writer):
             "two param groups (decay; no decay for biases and 1-D parameters)"
         return [f"fresh optimizer state (fp32 masters = the weights, zero Adam moments, step 0) "
                 f"in {groups}, in the model's parameter order: load with engine.load_checkpoint("
-                "DST, load_optimizer_states=False, load_lr_scheduler_states=False), so that your "
-                "config's hyperparameters and scheduler apply (the files carry none). Not for "
-                "ZeRO-1/2 engines with round_robin_gradients, whose flat order depends on DP: load "
-                "the module alone there (load_module_only=True)"]
+                "DST, load_optimizer_states=False, load_lr_scheduler_states=False) (ZeRO-3 reads "
+                "the masters from these files; ZeRO-1/2 rebuild the same ones from the module). "
+                "With load_optimizer_states=True the files' param groups replace your optimizer's "
+                "and carry no hyperparameters: put yours back before the first step. ZeRO-1/2 "
+                "engines with round_robin_gradients (their flat order depends on DP) should load "
+                "the module alone (load_module_only=True)"]
 
     def source_schema(self, opened) -> str:
         return NAME
@@ -681,6 +683,6 @@ def _hf_layout(index: CheckpointIndex, target: Topology, param_groups: str) -> L
                           random_ltd=None, skipped_steps=0, global_steps=0, global_samples=0,
                           mp_world_size=1, ds_version=FRESH_DS_VERSION),
         optim_file={"ds_version": FRESH_DS_VERSION},
-        osd={"dynamic_loss_scale": False, "overflow": False, "zero_stage": target.zero,
-             "ds_version": FRESH_DS_VERSION},
+        osd={"loss_scaler": _loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
+             "zero_stage": target.zero, "ds_version": FRESH_DS_VERSION},
         hyper=[{} for _ in groups], steps=[torch.tensor(0.0) for _ in groups])

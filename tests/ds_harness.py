@@ -293,25 +293,35 @@ def _hf_groups(model, groups: str):
 
 
 def _hf_start_worker(rank: int, dp: int, jobs: list[tuple], port: int) -> None:
-    """Per ``(family, stage, groups, checkpoint, how, result)``: an engine built from the HF
-    model itself (the reference), and one built from other weights that loads ``checkpoint``
-    (``how``: ``module`` = load_module_only, ``fresh`` = no optimizer states); each records
-    its fp32 masters and logits, then takes the same training step."""
+    """Per ``(family, stage, groups, precision, checkpoint, how, result)``: an engine built
+    from the HF model itself (the reference), and one built from other weights that loads
+    ``checkpoint`` (``how``: ``module`` = load_module_only, ``fresh`` = no optimizer states,
+    ``files`` = every optimizer file read, the job's hyperparameters put back);
+    each records its fp32 masters and logits, then takes the same training step. A bf16
+    reference starts from the model rounded to bf16, as the checkpoint holds it."""
     import deepspeed
 
     _init(rank, dp, port)
-    for family, stage, groups, ckpt, how, result in jobs:
+    for family, stage, groups, precision, ckpt, how, result in jobs:
         out = {}
         for name, seed in (("reference", 0), ("loaded", 1)):
             model = hf_model(family, seed)
+            if precision == "bf16":
+                model = model.to(torch.bfloat16).float()
             eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=_hf_groups(model, groups),
-                                                config=config(stage, dp))
+                                                config=config(stage, dp, precision))
             if name == "loaded":
                 if how == "module":
                     eng.load_checkpoint(ckpt, load_module_only=True)
-                else:
+                elif how == "fresh":
                     eng.load_checkpoint(ckpt, load_optimizer_states=False,
                                         load_lr_scheduler_states=False)
+                else:  # "files": DeepSpeed reads every optimizer file; the hyperparameters
+                    groups = eng.optimizer.optimizer.param_groups  # (not in them) are the job's
+                    hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+                    eng.load_checkpoint(ckpt, load_lr_scheduler_states=False)
+                    for group, h in zip(eng.optimizer.optimizer.param_groups, hyper):
+                        group.update(h)
             vocab = model.config.vocab_size
             masters = fp32_masters(eng)
             eng.eval()

@@ -4,9 +4,9 @@
 Without ``--init-optimizer`` the output is the module alone, which an engine loads with
 ``load_module_only=True``; with it, ZeRO-S files at DP N hold the fp32 masters (the HF
 weights), zero Adam moments and step 0, which an engine loads with
-``load_optimizer_states=False``. Either way the engine then holds exactly what an engine
-built from the HF model itself holds, and its next training step is the same. HF ->
-deepspeed -> HF is bit-exact.
+``load_optimizer_states=False`` or reads whole (its hyperparameters put back). Either way the
+engine then holds exactly what an engine built from the HF model itself holds, and its next
+training step is the same. HF -> deepspeed -> HF is bit-exact.
 """
 
 from __future__ import annotations
@@ -25,8 +25,14 @@ peer("transformers")
 from tests import ds_harness as H  # noqa: E402
 
 # (family, ZeRO stage, param groups, --init-optimizer)
-CASES = [("llama", 2, "decay", False), ("llama", 1, "decay", True), ("llama", 3, "decay", True),
-         ("gpt2", 1, "single", False), ("gpt2", 2, "single", True), ("gpt2", 3, "decay", True)]
+# (family, ZeRO stage, param groups, how DeepSpeed loads it, precision of weights and engine):
+# "module" = the module alone (no --init-optimizer), load_module_only=True; "fresh" =
+# --init-optimizer, load_optimizer_states=False (ZeRO-3 then reads the masters from the files,
+# ZeRO-1/2 from the module); "files" = --init-optimizer, every optimizer file read
+CASES = [("llama", 2, "decay", "module", "fp32"), ("llama", 1, "decay", "files", "fp32"),
+         ("llama", 3, "decay", "fresh", "fp32"), ("gpt2", 1, "single", "module", "fp32"),
+         ("gpt2", 2, "single", "files", "fp32"), ("gpt2", 3, "decay", "files", "fp32"),
+         ("llama", 2, "decay", "fresh", "bf16"), ("llama", 3, "decay", "files", "bf16")]
 
 
 def _hf(root, family, dtype=torch.float32):
@@ -51,17 +57,20 @@ def started(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf_ds")
     jobs = []
-    for family, stage, groups, fresh in CASES:
-        dst = root / f"{family}_z{stage}_{groups}_{int(fresh)}"
-        convert(str(_hf(root, family)), str(dst), to_format="deepspeed",
+    for family, stage, groups, how, precision in CASES:
+        fresh = how != "module"
+        dst = root / f"{family}_z{stage}_{groups}_{how}_{precision}"
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        convert(str(_hf(root, family, dtype)), str(dst), to_format="deepspeed",
                 to={"dp": 2, "zero": stage if fresh else None}, init_optimizer=fresh,
                 options={"param_groups": groups if fresh else None})
-        jobs.append((family, stage, groups, dst, "fresh" if fresh else "module", f"{dst}.result.pt"))
+        jobs.append((family, stage, groups, precision, dst, how, f"{dst}.result.pt"))
     H.hf_start(2, jobs)
     return {case: torch.load(job[-1]) for case, job in zip(CASES, jobs)}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-z{c[1]}-{c[2]}-{'init' if c[3] else 'module'}")
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: "-".join(map(str, c)))
 def test_deepspeed_starts_from_the_hf_weights_exactly(started, case):
     got = started[case]
     ref, loaded = got["reference"], got["loaded"]
