@@ -50,10 +50,10 @@ def runs(tmp_path_factory):
     return root / "pipe", source, truths[0]["loss"]
 
 
-def _reshard(run_cli, src, dst, tp: int, pp: int):
-    res = run_cli("reshard", src, dst, "--to-tp", str(tp), "--to-pp", str(pp))
+def _reshard(run_cli, src, dst, tp: int, pp: int, dp: int = 1):
+    res = run_cli("reshard", src, dst, "--to-tp", str(tp), "--to-pp", str(pp), "--to-dp", str(dp))
     assert res.code == 0, res.err
-    assert f"-> {dst} (TP{tp}/PP{pp}/DP1/ZeRO-1), deepspeed" in res.out
+    assert f"-> {dst} (TP{tp}/PP{pp}/DP{dp}/ZeRO-1), deepspeed" in res.out
 
 
 def _whole(shards: list[torch.Tensor], name: str) -> torch.Tensor:
@@ -66,15 +66,17 @@ def _whole(shards: list[torch.Tensor], name: str) -> torch.Tensor:
     return shards[0]
 
 
-def _check(results: list[dict], source: dict, loss: float, stages: int) -> int:
-    by_stage: dict[int, dict[int, dict]] = {}
+def _check(results: list[dict], source: dict, loss: float, stages: int, dps: int = 1) -> int:
+    """Every (stage, DP rank)'s TP pair against the source; the tensors checked."""
+    by_stage: dict[tuple[int, int], dict[int, dict]] = {}
     for g in results:
-        assert g["global_steps"] == H.STEPS and g["dp"] == 0
-        by_stage.setdefault(g["stage"], {})[g["tp"]] = g
+        assert g["global_steps"] == H.STEPS
+        by_stage.setdefault((g["stage"], g["dp"]), {})[g["tp"]] = g
         assert abs(g["loss"] - loss) / abs(loss) < 1e-5, (g["stage"], g["tp"], g["loss"], loss)
-    assert sorted(by_stage) == list(range(stages)) and all(sorted(t) == [0, 1] for t in by_stage.values())
+    assert sorted(by_stage) == [(s, d) for s in range(stages) for d in range(dps)]
+    assert all(sorted(t) == [0, 1] for t in by_stage.values())
     checked = 0
-    for stage, ranks in by_stage.items():
+    for (stage, _), ranks in by_stage.items():
         tps = [ranks[t] for t in sorted(ranks)]
         for kind in KINDS:
             names = tps[0]["state"][kind]
@@ -120,3 +122,11 @@ def test_tp2_pp2_loads_in_deepspeed_with_the_exact_state(runs, run_cli, tmp_path
     _reshard(run_cli, src, tmp_path / "tp2pp2", 2, 2)
     T.load(4, [(tmp_path / "tp2pp2", 2, 2, tmp_path / "got")])
     assert _check(P.results(tmp_path / "got", 4), source, loss, stages=2) == 3 * 54
+
+
+def test_tp2_dp2_loads_in_deepspeed_with_the_exact_state(runs, run_cli, tmp_path):
+    """World 4: TP2 x DP2, each DP rank's ZeRO-1 partition of the TP shards."""
+    src, source, loss = runs
+    _reshard(run_cli, src, tmp_path / "tp2dp2", 2, 1, dp=2)
+    T.load(4, [(tmp_path / "tp2dp2", 2, 1, tmp_path / "got")])
+    assert _check(P.results(tmp_path / "got", 4), source, loss, stages=1, dps=2) == 2 * 3 * 52
