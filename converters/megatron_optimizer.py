@@ -137,6 +137,19 @@ def _scalar(value):
         return value
 
 
+def torch_state_dict(groups: list[list[str]], hyper: list[dict], entry) -> dict:
+    """A torch optimizer's ``state_dict()``: parameters numbered across ``groups`` in order
+    (the numbering every reader of such a dict must undo), group ``g`` with ``hyper[g]``,
+    each parameter's state ``entry(g, name)``."""
+    state, param_groups, index = {}, [], 0
+    for g, names in enumerate(groups):
+        param_groups.append({**copy.deepcopy(hyper[g]), "params": list(range(index, index + len(names)))})
+        for name in names:
+            state[index] = entry(g, name)
+            index += 1
+    return {"state": state, "param_groups": param_groups}
+
+
 def build(params: list[tuple[str, int]], layout: Layout, pending) -> dict:
     """The optimizer entry of a target rank file.
 
@@ -147,25 +160,18 @@ def build(params: list[tuple[str, int]], layout: Layout, pending) -> dict:
 
     grouped = groups(params)
     hyper = layout.hyper if len(layout.hyper) >= 2 else layout.hyper + [dict(layout.hyper[0])]
-    state, param_groups, index = {}, [], 0
-    masters = []
-    for gi, names in enumerate(grouped):
-        ids = []
-        group_masters = []
-        for name in names:
-            entry = {"exp_avg": pending("exp_avg", name), "exp_avg_sq": pending("exp_avg_sq", name)}
-            if layout.step is not None:
-                entry = {"step": torch.tensor(float(layout.step)), **entry}
-            state[index] = entry
-            ids.append(index)
-            index += 1
-            if layout.fp16:
-                group_masters.append(pending("fp32_param", name))
-        param_groups.append({**copy.deepcopy(hyper[min(gi, len(hyper) - 1)]), "params": ids})
-        masters.append(group_masters)
-    inner = {"state": state, "param_groups": param_groups}
+
+    def entry(g, name):
+        moments = {"exp_avg": pending("exp_avg", name), "exp_avg_sq": pending("exp_avg_sq", name)}
+        if layout.step is None:
+            return moments
+        return {"step": torch.tensor(float(layout.step)), **moments}
+
+    inner = torch_state_dict(grouped, [hyper[min(g, len(hyper) - 1)] for g in range(len(grouped))],
+                             entry)
     if not layout.fp16:
         return inner
+    masters = [[pending("fp32_param", name) for name in names] for names in grouped]
     return {"optimizer": inner, **copy.deepcopy(layout.extra), "fp32_from_fp16_params": masters}
 
 

@@ -35,7 +35,7 @@ from ckptool.core.topology import Topology
 from ckptool.core.torchfile import TensorRef
 from ckptool.core.torchreader import TorchFileReader
 from converters.hf_schema import CONFIG, named_view
-from converters.megatron_optimizer import state_key
+from converters.megatron_optimizer import state_key, torch_state_dict
 
 LAYOUT_KEY = "deepspeed.layout"
 MARK = "ckptool"
@@ -354,15 +354,14 @@ def _torch_optimizer(layout: Layout, pending: dict) -> dict | None:
     params = [name for group in layout.groups for name, _ in group]
     if not params or ("optim", params[0], MOMENTS[0]) not in pending:
         return None
-    state, groups, i = {}, [], 0
-    for g, group in enumerate(layout.groups):
+
+    def entry(g, name):
         step = layout.steps[g]
-        groups.append(dict(layout.hyper[g], params=list(range(i, i + len(group)))))
-        for name, _ in group:
-            state[i] = {"step": step.clone() if isinstance(step, torch.Tensor) else step,
-                        **{kind: pending[("optim", name, kind)] for kind in MOMENTS}}
-            i += 1
-    return {"state": state, "param_groups": groups}
+        return {"step": step.clone() if isinstance(step, torch.Tensor) else step,
+                **{kind: pending[("optim", name, kind)] for kind in MOMENTS}}
+
+    return torch_state_dict([[name for name, _ in group] for group in layout.groups], layout.hyper,
+                            entry)
 
 
 def optim_states_tree(layout: Layout, topo: Topology, rank: int, pads: list[int], pending: dict) -> dict:
