@@ -444,7 +444,7 @@ def split_layers(index: CheckpointIndex, key: str, info: TensorInfo, pieces: lis
             index.tensors[name].pieces.append(Piece(region, loc))
 
 
-def read_common(store: Store, rel: str, index: CheckpointIndex) -> None:
+def read_common(store: Store, rel: str, index: CheckpointIndex, distributed=None) -> None:
     """``common.pt`` (the same in both backends) into ``index``: ``args`` -> topology and
     model, the canonical entries, the rest as ``common.*`` objects; then the optimizer.
 
@@ -452,6 +452,10 @@ def read_common(store: Store, rel: str, index: CheckpointIndex) -> None:
     groups (common.pt's ``optimizer``) become the :data:`optim.LAYOUT_KEY` object only when
     the ``optimizer.*`` tensors are exactly its model-shaped state; otherwise
     ``index.unmapped`` says why, and every writer refuses the state unless it is dropped.
+    A distributed optimizer's entry (it says ``param_state_sharding_type``) goes to
+    ``distributed(entry, index, source)``, when the backend maps one, which turns the
+    ``optimizer.*`` tensors into the same canonical state (every parameter with an fp32
+    master) or raises UnreadableInput with the reason.
     """
     source = store.display(rel)
     if not store.exists(rel):
@@ -465,17 +469,26 @@ def read_common(store: Store, rel: str, index: CheckpointIndex) -> None:
     index.files[rel] = 1
     if isinstance(common, dict):
         _read_common_entries(common, index, source)
+        if OPTIMIZER in common:  # after args: a distributed optimizer's layout needs them
+            _read_optimizer(common[OPTIMIZER], index, source, distributed)
     layout_ = index.objects.get(optim.LAYOUT_KEY)
+    if optim.DISTRIBUTED_KEY in index.objects:
+        layout_ = ObjectInfo(optim.LAYOUT_KEY, value=_EVERY_KIND)
     if index.unmapped is None:
         index.unmapped = optim.check_tensors(index, layout_.value if layout_ else None, source)
     if index.unmapped is not None:
         index.objects.pop(optim.LAYOUT_KEY, None)
+        index.objects.pop(optim.DISTRIBUTED_KEY, None)
+
+
+_EVERY_KIND = optim.Layout(True, {}, None, [], {})
+"""For checking a distributed optimizer's tensors: it keeps an fp32 master of every
+parameter (whatever the parameter's dtype), as a 16-bit Float16 optimizer does."""
 
 
 def _read_common_entries(common: dict, index: CheckpointIndex, source: str) -> None:
     for key, value in common.items():
         if key == OPTIMIZER:
-            _read_optimizer(value, index, source)
             continue
         name = key if key in CANONICAL_COMMON else f"common.{key}"
         index.objects[name] = ObjectInfo(key, value=value)
@@ -488,11 +501,15 @@ def _read_common_entries(common: dict, index: CheckpointIndex, source: str) -> N
         index.true_vocab_size = spec.vocab_size if known else None
 
 
-def _read_optimizer(value, index: CheckpointIndex, source: str) -> None:
+def _read_optimizer(value, index: CheckpointIndex, source: str, distributed=None) -> None:
     """The optimizer's step, param groups and grad scaler: the same canonical object
-    as the legacy reader's; or, when they are not the non-distributed optimizer's,
-    the reason (kept raw under ``OPTIMIZER_COMMON`` for inspect, never written back)."""
+    as the legacy reader's; or, when they cannot be mapped, the reason (kept raw under
+    ``OPTIMIZER_COMMON`` for inspect, never written back)."""
     try:
+        if distributed is not None and isinstance(value, dict) and \
+                "param_state_sharding_type" in value:
+            distributed(value, index, source)
+            return
         index.objects[optim.LAYOUT_KEY] = ObjectInfo(
             optim.LAYOUT_KEY, value=optim.read_sharded_common(value, source))
     except UnreadableInput as exc:

@@ -16,8 +16,9 @@ The non-distributed optimizer (``FP32Optimizer``, ``Float16OptimizerWithFloat16P
 saves its state the model's way: ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<model
 key>`` ShardedTensors (stacked like the model's, so the same per-layer split gives the
 canonical keys), and its step, param groups and grad scaler in ``common.pt["optimizer"]``
-(see :mod:`converters.megatron_optimizer`). The distributed optimizer's flat buffers are
-refused with the reason.
+(see :mod:`converters.megatron_optimizer`). The distributed optimizer's state
+(``dp_reshardable`` buckets or ``fully_reshardable`` model-shaped tensors) is mapped to the
+same canonical keys, and written ``fully_reshardable`` (:mod:`converters.megatron_dist_distopt`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ckptool.core.topology import Topology
 from ckptool.core.errors import BadCheckpoint, UnsupportedFormat
 from ckptool.core.index import CheckpointIndex, Piece, TensorInfo, Writer
 from ckptool.core.storage import Store
+from converters import megatron_dist_distopt as dist_distopt
 from converters import megatron_optimizer as optim
 from converters.megatron_common import (CANONICAL_COMMON, COMMON, METADATA_JSON, OPTIMIZER,
                                         STACK_TAG, STACKED, TRACKER, UnevenStages,
@@ -86,11 +88,14 @@ class MegatronDistReader(DcpContainerReader):
                 split_layers(index, key, info, pieces)
             else:
                 index.tensors[key] = TensorInfo(key, info.shape, info.dtype, pieces)
-        read_common(store, prefix + COMMON, index)
+        read_common(store, prefix + COMMON, index, lambda value, index_, source: dist_distopt.read(
+            value, index_, source, lambda obj: self.read_object(store, obj)))
         return index
 
     def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
         detail = piece.location.detail
+        if isinstance(detail, tuple) and detail and detail[0] == dist_distopt.FLAT_TAG:
+            return dist_distopt.read_flat_slice(lambda p: self.read_piece(store, p, dtype), piece)
         if not (isinstance(detail, tuple) and detail and detail[0] == STACK_TAG):
             return super().read_piece(store, piece, dtype)
         _, layer, chunk_region, inner = detail
@@ -116,18 +121,28 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         self._target = None
         self._shapes: dict[str, tuple] = {}
         self._optimizer: optim.Layout | None = None
+        self._distributed = None
 
     def notes(self, index) -> list[str]:
-        return ["RNG state is not written to torch_dist outputs yet: resume with Megatron's "
-                "--no-load-rng"]
+        notes = ["RNG state is not written to torch_dist outputs yet: resume with Megatron's "
+                 "--no-load-rng"]
+        if self._distributed is not None:
+            source = index.objects.get(dist_distopt.SHARDING_KEY)
+            was = f"'{source.value}' in the source" if source else "distrib_optim.pt in the source"
+            notes.append(f"the distributed optimizer's state is written in Megatron-Core's "
+                         f"'{dist_distopt.WRITTEN}' form ({was}): model-shaped, so megatron-core "
+                         "loads it at any TP/PP/DP; common.pt's content_metadata says "
+                         f"distrib_optim_sharding_type='{dist_distopt.WRITTEN}' for loaders "
+                         "that build their state dict from dist_checkpointing.load_content_metadata "
+                         "(Megatron-LM's); a loader that asks for another sharding type must be "
+                         "told this one")
+        return notes
 
     def unsupported_state(self, index) -> str | None:
         if index.unmapped or not any(k.startswith(optim.PREFIX) for k in index.tensors):
             return index.unmapped
         if optim.DISTRIBUTED_KEY in index.objects:
-            return ("the source holds Megatron's distributed-optimizer state (distrib_optim.pt); "
-                    "writing it to torch_dist is not implemented (only the non-distributed "
-                    "optimizer's)")
+            return None
         if optim.LAYOUT_KEY not in index.objects:
             return (f"the {index.format} source's optimizer state is not a Megatron optimizer's "
                     "(no param groups and step to write into common.pt)")
@@ -146,7 +161,12 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         self._target = (spec, topo)
         optimizer = index.objects.get(optim.LAYOUT_KEY) if with_optimizer else None
         self._optimizer = optimizer.value if optimizer else None
+        distributed = index.objects.get(optim.DISTRIBUTED_KEY) if with_optimizer else None
+        self._distributed = distributed.value if distributed else None
         kinds = optim.state_kinds(self._optimizer) if self._optimizer else ()
+        state_name = optim.state_key
+        if self._distributed is not None:  # every parameter has an fp32 master
+            kinds, state_name = optim.KINDS, dist_distopt.file_key
         for rank in layout(spec, topo):
             rank_id = rank.pp_rank * topo.tp + rank.tp_rank
             target = TargetFile(f"{it_dir}/__{rank_id}_0.distcp",
@@ -157,7 +177,7 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
                 for shard, key, offsets, lengths, shape in _chunks(t, params, spec, padded, rank.tp_rank):
                     # the optimizer's state tensors are chunked exactly like their parameter
                     for kind in (None, *kinds):
-                        name = key if kind is None else optim.state_key(kind, key)
+                        name = key if kind is None else state_name(kind, key)
                         dtype = source_dtype(index, _first_key(t) if kind is None else
                                              optim.state_key(kind, _first_key(t)))
                         self._shapes[name] = (shape, dtype)
@@ -201,6 +221,10 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         common.setdefault("checkpoint_version", 3.0)
         if self._optimizer is not None:
             common[OPTIMIZER] = optim.sharded_common(self._optimizer)
+        if self._distributed is not None:
+            common[OPTIMIZER] = dist_distopt.common_entry(self._distributed)
+            common[dist_distopt.CONTENT_METADATA] = dist_distopt.content_metadata(
+                common.get(dist_distopt.CONTENT_METADATA))
         args = index.objects.get("args")
         spec, topo = self._target
         common["args"] = update_args(args.value if args else None, spec, topo, index.true_vocab_size)

@@ -36,13 +36,16 @@ is refused with the reason, never mapped by guess.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from ckptool.core.errors import UnreadableInput
-from ckptool.core.layout import WORD_EMBEDDINGS
+from ckptool.core.layout import WORD_EMBEDDINGS, LocalTensor, ModelSpec, layout as model_layout, stage_layers
+from ckptool.core.topology import Topology
+from converters.megatron_common import SCHEMAS, parameter_order
 
 ALIGN = 64
 """Parameter starts are padded to this many elements from their bucket's start."""
@@ -74,6 +77,8 @@ class Buffer:
     offsets: dict[str, int]
     numel_unpadded: int
     bucket_size: int | None
+    buckets: tuple[int, ...] = ()
+    """Each bucket's length in the file's tensors (tail padding cut), in order."""
 
 
 @dataclass(slots=True)
@@ -84,6 +89,42 @@ class Meta:
     """Parameter dtype -> the file's ``(param_dtype, grad_dtype)`` key."""
     state: dict
     """``model_optim_rng.pt["optimizer"]``: param groups (with the step), grad scaler."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankParams:
+    """One (TP, PP) rank's parameters as its grad buffers see them."""
+
+    tp: int
+    pp: int
+    chunks: list[list[Param]]
+    """Each model chunk's parameters in named_parameters() order; ``Param.name`` is
+    ``"<chunk>/<local name>"``."""
+    tensors: dict[str, LocalTensor]
+    """``Param.name`` -> the layout's local tensor (its canonical regions)."""
+
+
+def rank_params(spec: ModelSpec, topo: Topology, schema: str,
+                dtype_of: Callable[[LocalTensor], torch.dtype]) -> list[RankParams]:
+    """Every (TP, PP) rank's parameters under ``schema``'s names, in the order Megatron
+    registers them (which its grad buffers follow, reversed)."""
+    stages = stage_layers(spec, topo.pp, topo.vpp)
+    out = []
+    for rank in model_layout(spec, topo):
+        named = []
+        for t in rank.tensors:
+            layers = stages[rank.pp_rank][t.chunk]
+            name = SCHEMAS[schema].from_canonical(t.name, layers, rank.pp_rank, topo.pp, t.replica)
+            named.append((t.chunk, parameter_order(schema, name), f"{t.chunk}/{name}", t))
+        named.sort(key=lambda x: (x[0], x[1]))
+        chunks: dict[int, list[Param]] = {}
+        for chunk, _, uname, t in named:
+            chunks.setdefault(chunk, []).append(Param(
+                uname, math.prod(t.shard.shape), dtype_of(t),
+                shared_embedding(t.name, spec.tied_embeddings, topo.pp)))
+        out.append(RankParams(rank.tp_rank, rank.pp_rank, list(chunks.values()),
+                              {uname: t for _, _, uname, t in named}))
+    return out
 
 
 def shared_embedding(canonical: str, tied: bool, pp: int) -> bool:
@@ -115,20 +156,30 @@ def bucket_size(args: Any, dp: int, pp_rank: int, chunk: int) -> int | None:
 def offsets(params: list[Param], size: int | None) -> tuple[dict[str, int], int]:
     """Where each of ``params`` (one buffer, named_parameters() order) starts in the file's
     coalesced tensors, and their length (``numel_unpadded``)."""
+    where, lengths = _walk(params, size)
+    return where, sum(lengths)
+
+
+def _walk(params: list[Param], size: int | None) -> tuple[dict[str, int], list[int]]:
+    """:func:`offsets`, and the length of each bucket (tail padding cut)."""
     out: dict[str, int] = {}
-    closed = 0  # elements of the closed buckets (tails cut)
+    lengths: list[int] = []  # the closed buckets'
     pos = 0  # next element, from the open bucket's start
     count = 0  # parameters in the open bucket
     for p in reversed(params):
         pos = -(-pos // ALIGN) * ALIGN
         if p.shared and count:
-            closed, pos, count = closed + pos, 0, 0
-        out[p.name] = closed + pos
+            lengths.append(pos)
+            pos, count = 0, 0
+        out[p.name] = sum(lengths) + pos  # few buckets: the sum is cheap
         pos += p.numel
         count += 1
         if p.shared or (size is not None and pos >= size):
-            closed, pos, count = closed + pos, 0, 0
-    return out, closed + pos
+            lengths.append(pos)
+            pos, count = 0, 0
+    if count:
+        lengths.append(pos)
+    return out, lengths
 
 
 def layout(chunks: list[list[Param]], args: Any, dp: int, pp_rank: int) -> list[Buffer]:
@@ -149,8 +200,8 @@ def layout(chunks: list[list[Param]], args: Any, dp: int, pp_rank: int) -> list[
             size = None
         for dtype in dict.fromkeys(p.dtype for p in params):
             mine = [p for p in params if p.dtype == dtype]
-            where, total = offsets(mine, size)
-            buffers.append(Buffer(chunk, dtype, where, total, size))
+            where, lengths = _walk(mine, size)
+            buffers.append(Buffer(chunk, dtype, where, sum(lengths), size, tuple(lengths)))
     return buffers
 
 

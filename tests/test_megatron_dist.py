@@ -270,14 +270,15 @@ def test_distributed_optimizer_state_is_refused_with_the_reason(trained_dist, tm
     shutil.copytree(src, distopt)
     common_pt = distopt / "iter_0000002" / "common.pt"
     common = torch.load(common_pt, weights_only=False)
-    common["optimizer"] = {"param_state_sharding_type": "dp_reshardable",
+    common["optimizer"] = {"param_state_sharding_type": "fully_sharded_model_space",
                            "optimizer": common["optimizer"]}
     torch.save(common, common_pt)
     dst = tmp_path / "out"
     res = run_cli("reshard", distopt, dst, "--to-tp", 1, "--true-vocab-size", 1000)
     assert res.code == 2 and not dst.exists() and "Traceback" not in res.err
-    assert ("the optimizer state cannot be carried: Megatron-Core distributed-optimizer state "
-            "('dp_reshardable' sharding) is not read yet") in res.err
+    assert ("the optimizer state cannot be carried: Megatron-Core's deprecated "
+            "'fully_sharded_model_space' distributed-optimizer state (flattened ShardedTensors, "
+            "which megatron-core 0.16 itself neither saves nor loads) is not read") in res.err
     assert "--drop-optimizer" in res.err
     res = run_cli("reshard", distopt, dst, "--to-tp", 1, "--true-vocab-size", 1000, "--drop-optimizer")
     assert res.code == 0, res.err
@@ -286,8 +287,9 @@ def test_distributed_optimizer_state_is_refused_with_the_reason(trained_dist, tm
 
 
 def test_writer_refuses_optimizer_state_it_cannot_lay_out():
-    """A legacy distributed optimizer (distrib_optim.pt), or optimizer tensors with no
-    Megatron param groups and step (another format's), are not written to torch_dist."""
+    """Optimizer tensors with no Megatron param groups and step (another format's) are not
+    written to torch_dist; a distributed optimizer's (distrib_optim.pt or torch_dist) are,
+    see tests/test_megatron_dist_distopt.py."""
     from converters import megatron
     from converters.megatron_dist import MegatronDistWriter
     from ckptool.core.index import CheckpointIndex, ObjectInfo, TensorInfo
@@ -300,6 +302,6 @@ def test_writer_refuses_optimizer_state_it_cannot_lay_out():
         "the deepspeed source's optimizer state is not a Megatron optimizer's (no param groups "
         "and step to write into common.pt)")
     index.objects[optim.DISTRIBUTED_KEY] = ObjectInfo(optim.DISTRIBUTED_KEY, value=None)
-    assert "distributed-optimizer state (distrib_optim.pt)" in MegatronDistWriter().unsupported_state(index)
+    assert MegatronDistWriter().unsupported_state(index) is None
     index.unmapped = "the reader's own reason"
     assert MegatronDistWriter().unsupported_state(index) == "the reader's own reason"
