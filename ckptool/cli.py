@@ -217,6 +217,9 @@ def _rewrite_options(f):
         click.option("--overwrite", is_flag=True, help="Replace DST if it exists."),
         click.option("--drop-optimizer", is_flag=True,
                      help="Write model weights only when SRC's optimizer state cannot be carried."),
+        click.option("--no-fsync", is_flag=True,
+                     help="Leave DST's write-back to the kernel, as cp does (faster; the commit is "
+                          "still atomic, but after a power loss run `ckptool verify` before use)."),
     ]):
         f = option(f)
     return _output_options(f)
@@ -235,7 +238,8 @@ def _rewrite_options(f):
 @click.option("--dp", type=_SIZE, help="Assert the source's DP.")
 @_rewrite_options
 def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, to_zero, tp, pp, dp, true_vocab_size, workers,
-            first_stage_layers, last_stage_layers, dry_run, overwrite, drop_optimizer, as_json, quiet):
+            first_stage_layers, last_stage_layers, dry_run, overwrite, drop_optimizer, no_fsync,
+            as_json, quiet):
     """Rewrite the checkpoint SRC at DST for another TP/PP layout, same format.
 
     SRC's topology is read from it; --tp/--pp/--dp before the --to-* flags are assertions.
@@ -254,6 +258,7 @@ def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, to_zero, tp, pp, dp, true_voc
                   expect={"tp": tp, "pp": pp, "dp": dp}, workers=workers, dry_run=dry_run,
                   overwrite=overwrite, true_vocab_size=true_vocab_size,
                   drop_optimizer=drop_optimizer, progress=bar.update if bar else None,
+                  fsync=not no_fsync,
                   options={"first_stage_layers": first_stage_layers,
                            "last_stage_layers": last_stage_layers})
     finally:
@@ -335,7 +340,7 @@ class FormatType(click.ParamType):
 def convert(src, dst, to_format, tp, pp, dp, zero, megatron_names, model_family, model_config,
             max_shard_size, dtype, init_optimizer, param_groups,
             true_vocab_size, workers, first_stage_layers, last_stage_layers, dry_run, overwrite,
-            drop_optimizer, as_json, quiet):
+            drop_optimizer, no_fsync, as_json, quiet):
     """Write the checkpoint SRC at DST in another format, optionally at another TP/PP.
 
     --tp/--pp/--dp describe the target (SRC's own layout is read from it).
@@ -351,7 +356,7 @@ def convert(src, dst, to_format, tp, pp, dp, zero, megatron_names, model_family,
               dry_run=dry_run, overwrite=overwrite, true_vocab_size=true_vocab_size,
               drop_optimizer=drop_optimizer, names=megatron_names,
               model_family="gpt2" if model_family == "gpt" else model_family,
-              model_config=model_config, init_optimizer=init_optimizer,
+              model_config=model_config, init_optimizer=init_optimizer, fsync=not no_fsync,
               options={"max_shard_size": max_shard_size, "dtype": dtype, "param_groups": param_groups,
                        "first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers})
     _render_rewrite(out, res, "converted")

@@ -248,7 +248,7 @@ class HfWriter(Writer):
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         with store.open_file(target.path, "wb") as f:
-            out = HashingWriter(f)
+            out = HashingWriter(f, store.durable)
             out.write(len(raw).to_bytes(8, "little") + raw)
             for t in target.tensors:
                 data = produce(t).to(self._dtype)

@@ -133,3 +133,79 @@ def test_a_rerun_with_other_arguments_does_not_reuse(source, tmp_path, run_cli):
     proc.wait()
     r = run_cli("reshard", source, dst, "--to-dp", "8", "--json")  # another target
     assert r.code == 0 and json.loads(r.out)["reused_files"] == 0
+
+
+def test_no_fsync_leaves_the_write_back_to_the_kernel_and_writes_the_same_bytes(source, tmp_path,
+                                                                               run_cli, monkeypatch):
+    """--no-fsync (as cp and DCP's sync_files=False): not one fsync, nor an early write-back,
+    on the output; the same files and a manifest that verifies. By default every output file,
+    the manifest and the directories are fsynced."""
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "posix_fadvise", lambda *a: synced.append("fadvise"))
+    fast = tmp_path / "fast"
+    assert run_cli("reshard", source, fast, "--to-dp", "5", "--no-fsync", "--workers", "2").code == 0
+    assert synced == []
+    durable = tmp_path / "durable"
+    assert run_cli("reshard", source, durable, "--to-dp", "5", "--workers", "2").code == 0
+    data = {p for p in synced if p != "fadvise" and ".distcp" in p}
+    assert len(data) == len([f for f in _files(durable) if f.endswith(".distcp")]) > 1
+    assert any(p.endswith("ckptool.json") or "ckptool.json.tmp" in p for p in synced)
+    assert str(tmp_path) in synced  # the rename into place is made durable too
+    assert _files(fast) == _files(durable)
+    assert run_cli("verify", "--deep", fast).code == 0
+
+
+@pytest.fixture(scope="module")
+def megatron_source(tmp_path_factory):
+    from benchmarks.reshard import make_source
+    from ckptool.core.layout import ModelSpec
+    from ckptool.core.topology import Topology
+
+    spec = ModelSpec(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=500,
+                     ffn_hidden_size=256, tied_embeddings=False, max_position_embeddings=32)
+    src = tmp_path_factory.mktemp("spans") / "src"
+    make_source(src, spec, Topology(tp=4, pp=2))
+    return src
+
+
+def test_source_runs_stream_by_in_kernel_copy_with_the_same_bytes(megatron_source, tmp_path, run_cli,
+                                                                  monkeypatch):
+    """Target tensors that are runs of source files (column-parallel merges, whole tensors
+    moved between stages) are copied by copy_file_range; where the kernel refuses, through
+    a buffer; without the path at all, filled in memory. All three give the same bytes."""
+    import ckptool.ops.reshard as ops
+
+    copied = []
+    real_copy = os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: copied.append(a[2]) or real_copy(*a))
+    args = ("--to-tp", "2", "--to-pp", "4", "--workers", "2")
+    assert run_cli("reshard", megatron_source, tmp_path / "copied", *args).code == 0
+    total = sum(f.stat().st_size for f in (tmp_path / "copied").rglob("*.pt"))
+    assert sum(copied) > total / 2  # most of the bytes never passed through user memory
+
+    def refuse(*a):
+        raise OSError(18, "Invalid cross-device link")
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    assert run_cli("reshard", megatron_source, tmp_path / "buffered", *args).code == 0
+
+    monkeypatch.setattr(ops, "file_spans", lambda *a: None)
+    assert run_cli("reshard", megatron_source, tmp_path / "filled", *args).code == 0
+    assert _files(tmp_path / "copied") == _files(tmp_path / "filled") == _files(tmp_path / "buffered")
+    assert run_cli("verify", "--deep", tmp_path / "copied").code == 0
+
+
+def test_a_truncated_source_is_reported_not_copied(megatron_source, tmp_path, run_cli):
+    """A rank file cut short is an error with one line and no output, on the copy path too."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(megatron_source, src)
+    f = sorted(src.rglob("model_optim_rng.pt"))[0]
+    data = f.read_bytes()
+    f.write_bytes(data[:len(data) // 2] + data[-22:])  # keep the zip's end record: a cut, not garbage
+    r = run_cli("reshard", src, tmp_path / "out", "--to-tp", "2", "--to-pp", "4")
+    assert r.code in (1, 2) and len(r.err.strip().splitlines()) == 1, r.err
+    assert not (tmp_path / "out").exists()

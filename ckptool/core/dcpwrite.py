@@ -46,7 +46,7 @@ class DcpFileWriter:
 
     def __enter__(self):
         self._raw = self.store.open_file(self.path, "wb")
-        self._out = HashingWriter(self._raw)
+        self._out = HashingWriter(self._raw, self.store.durable)
         return self
 
     def add_chunk(self, key: str, offsets, lengths, tensor: torch.Tensor) -> None:
@@ -146,7 +146,7 @@ def write_metadata(store: Store, shapes: dict[str, tuple[tuple[int, ...], torch.
     import pickle
 
     with store.open_file(METADATA, "wb") as raw:
-        out = HashingWriter(raw)
+        out = HashingWriter(raw, store.durable)
         pickle.dump(meta, out)
         out.fsync()
     return out.size, out.hexdigest()

@@ -8,6 +8,7 @@ overlapping elements. It never imports a format.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -16,7 +17,7 @@ import torch
 
 from ckptool.core.errors import BadCheckpoint
 from ckptool.core.index import CheckpointIndex, Piece
-from ckptool.core.regions import Shard, plan_copies
+from ckptool.core.regions import Shard, byte_runs, plan_copies
 
 
 @dataclass(slots=True)
@@ -126,20 +127,101 @@ def fill_tensor(t: TargetTensor, index: CheckpointIndex, read_box: ReadBox,
 def fill_into(shard: Shard, out: torch.Tensor, index: CheckpointIndex, read_box: ReadBox) -> None:
     """Fill the regions of ``shard`` in the existing tensor ``out`` (padding untouched)."""
     for region, view in shard.views(out):
-        info = index.tensors.get(region.key)
-        if info is None:
-            raise BadCheckpoint(f"source has no tensor {region.key!r}", path=index.url,
-                                key=region.key)
-        if tuple(info.shape) != tuple(region.global_shape):
-            raise BadCheckpoint(f"source tensor {region.key!r} has shape {tuple(info.shape)}, "
-                                f"expected {tuple(region.global_shape)}", path=index.url,
-                                key=region.key)
-        plan = plan_copies([p.region for p in info.pieces], [region])
-        if sum(c.numel for c in plan) != region.numel:
-            raise BadCheckpoint("source pieces do not cover the target region", path=index.url,
-                                key=region.key)
+        info, plan = _copies(region, index)
         for c in plan:
             read_box(info.pieces[c.src], info.dtype, c.box, region.view(view, c.box))
+
+
+def _copies(region, index: CheckpointIndex):
+    """The source tensor of a target region and the copies that fill it (all checked)."""
+    info = index.tensors.get(region.key)
+    if info is None:
+        raise BadCheckpoint(f"source has no tensor {region.key!r}", path=index.url, key=region.key)
+    if tuple(info.shape) != tuple(region.global_shape):
+        raise BadCheckpoint(f"source tensor {region.key!r} has shape {tuple(info.shape)}, "
+                            f"expected {tuple(region.global_shape)}", path=index.url, key=region.key)
+    plan = plan_copies([p.region for p in info.pieces], [region])
+    if sum(c.numel for c in plan) != region.numel:
+        raise BadCheckpoint("source pieces do not cover the target region", path=index.url,
+                            key=region.key)
+    return info, plan
+
+
+FileSpan = Callable[[Piece, torch.dtype, tuple], "tuple[int, int] | None"]
+"""``(fd, byte offset)`` of a stored box when its bytes are one run of a local file in the
+target's dtype (``Reader.file_span``); None otherwise."""
+
+
+@dataclass(slots=True)
+class FileSpans:
+    """A target tensor whose bytes are runs of local source files, in order: it is streamed
+    from the page cache through a small buffer instead of being filled in memory first
+    (one pass over memory, where filling, hashing and writing a buffer take three)."""
+
+    dtype: torch.dtype
+    numel: int
+    spans: list[tuple[int, int, int]]
+    """``(fd, byte offset, byte count)``, in the tensor's order."""
+    source: str
+
+    CHUNK = 8 << 20
+    _buffers = threading.local()
+
+    def write_to(self, stream) -> None:
+        """Append the bytes to ``stream``: by its ``copy_from`` (an in-kernel copy) where it
+        has one and can, else read through a small buffer and ``write``."""
+        copy = getattr(stream, "copy_from", None)
+        for fd, offset, count in self.spans:
+            done = copy(fd, offset, count) if copy is not None else 0
+            if done < 0:
+                raise BadCheckpoint("file is truncated", path=self.source)
+            if done < count:
+                self._write_through_buffer(stream.write, fd, offset + done, count - done)
+
+    def _write_through_buffer(self, write, fd: int, offset: int, count: int) -> None:
+        buf = getattr(self._buffers, "buf", None)
+        if buf is None:
+            buf = self._buffers.buf = memoryview(bytearray(self.CHUNK))
+        done = 0
+        while done < count:
+            n = os.preadv(fd, [buf[:min(self.CHUNK, count - done)]], offset + done)
+            if n <= 0:
+                raise BadCheckpoint("file is truncated", path=self.source)
+            write(buf[:n])
+            done += n
+
+
+def file_spans(t: TargetTensor, index: CheckpointIndex, span_of: FileSpan) -> FileSpans | None:
+    """The target tensor as runs of source files, when every copy that fills it is one
+    contiguous run in the stored dtype and together they tile it with no padding; else None
+    (the tensor is then filled in memory by :func:`fill_tensor`, which reports any error)."""
+    if sum(r.numel for r in t.shard.regions) != math.prod(t.shard.shape):
+        return None
+    found = []
+    for part, region in t.shard.parts:
+        try:
+            info, plan = _copies(region, index)
+        except BadCheckpoint:
+            return None
+        if info.dtype != t.dtype:
+            return None
+        for c in plan:
+            runs = byte_runs(region, c.box)
+            span = span_of(info.pieces[c.src], info.dtype, c.box) if len(runs) == 1 else None
+            if span is None:
+                return None
+            found.append((part + runs[0][0], runs[0][1], span))
+    found.sort(key=lambda f: f[0])
+    item, pos, spans = t.dtype.itemsize, 0, []
+    for start, count, (fd, offset) in found:
+        if start != pos:
+            return None
+        if spans and spans[-1][0] == fd and spans[-1][1] + spans[-1][2] == offset:
+            spans[-1] = (fd, spans[-1][1], spans[-1][2] + count * item)  # adjacent: one run
+        else:
+            spans.append((fd, offset, count * item))
+        pos += count
+    return FileSpans(t.dtype, pos, spans, index.url) if pos == math.prod(t.shard.shape) else None
 
 
 def bytes_read(targets: list[TargetFile], index: CheckpointIndex) -> int:

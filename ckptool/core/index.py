@@ -136,6 +136,13 @@ class Reader:
         """Write global ``box`` of a piece into ``out`` (a box-shaped, possibly strided view)."""
         out.copy_(self.read_box(store, piece, dtype, box).view(out.shape))
 
+    def file_span(self, store: Store, piece: Piece, dtype: torch.dtype, box) -> tuple[int, int] | None:
+        """``(fd, byte offset)`` where global ``box`` of a piece is stored as one contiguous run
+        of a local file, in ``dtype``: exactly the bytes :meth:`read_box_into` would copy, so
+        the engine may stream them to the output without filling a tensor. None (the default)
+        when that is not so or the format transforms what it reads."""
+        return None
+
     def read_object(self, store: Store, obj: ObjectInfo) -> Any:
         """The value of a named object (Opaque when its pickle is not allowlisted)."""
         if obj.location is None:

@@ -96,16 +96,21 @@ class HashingWriter:
     as they are written (``posix_fadvise(DONTNEED)``: asynchronous on Linux, and it drops
     the pages once clean), so the disk is busy while later bytes are still being produced
     and the final ``fsync`` waits only for the tail; a large output also never holds
-    gigabytes of dirty page cache."""
+    gigabytes of dirty page cache.
+
+    ``durable=False`` (a :class:`Store` that is not durable) leaves the write-back to the
+    kernel, as ``cp`` does: no early write-back and no ``fsync``."""
 
     WRITEBACK = 64 << 20
 
-    def __init__(self, raw):
+    def __init__(self, raw, durable: bool = True):
         self._raw = raw
         self._hash = xxhash.xxh3_128()
         self.size = 0
         self._flushed = 0
-        self._fd = _fileno(raw) if hasattr(os, "posix_fadvise") else None
+        self._durable = durable
+        self._fd = _fileno(raw) if durable and hasattr(os, "posix_fadvise") else None
+        self._copy = hasattr(os, "copy_file_range")
 
     def write(self, data) -> int:
         self._raw.write(data)
@@ -115,6 +120,42 @@ class HashingWriter:
         if self._fd is not None and self.size - self._flushed >= self.WRITEBACK:
             self._writeback()
         return n
+
+    def copy_from(self, fd: int, offset: int, count: int) -> int:
+        """Append ``count`` bytes of the local file ``fd`` from ``offset`` by an in-kernel
+        copy (``copy_file_range``: no pass through user memory), hashed from a read-only map
+        of the source. Returns the bytes copied: fewer than ``count`` when the kernel or the
+        filesystem cannot (the caller writes the rest), -1 when the source ends early."""
+        out = _fileno(self._raw) if self._copy and count else None
+        if out is None:
+            return 0
+        self._raw.flush()
+        done = 0
+        while done < count:
+            try:
+                n = os.copy_file_range(fd, out, count - done, offset + done)
+            except OSError:
+                self._copy = False  # EXDEV, EINVAL, ENOSYS...: this stream writes its bytes
+                break
+            if n == 0:
+                break
+            done += n
+        if done:
+            self._raw.seek(0, os.SEEK_END)  # the buffered writer follows the fd's new offset
+            self._hash_file(fd, offset, done)
+            self.size += done
+            if self._fd is not None and self.size - self._flushed >= self.WRITEBACK:
+                self._writeback()
+        if done < count and self._copy:
+            return -1  # copy_file_range stops only at the source's end
+        return done
+
+    def _hash_file(self, fd: int, offset: int, count: int) -> None:
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(fd, offset + count - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                       prot=mmap.PROT_READ, offset=start) as m:
+            with memoryview(m) as view, view[offset - start:] as part:
+                self._hash.update(part)
 
     def _writeback(self) -> None:
         try:
@@ -133,7 +174,7 @@ class HashingWriter:
 
     def fsync(self) -> None:
         self._raw.flush()
-        fd = _fileno(self._raw)
+        fd = _fileno(self._raw) if self._durable else None
         if fd is not None:
             try:
                 os.fsync(fd)

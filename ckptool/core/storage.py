@@ -20,7 +20,7 @@ import posixpath
 import re
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import fsspec
@@ -51,6 +51,11 @@ class Store:
     url: str
     fs: fsspec.AbstractFileSystem = field(repr=False)
     root: str = field(repr=False)
+    durable: bool = field(default=True, repr=False)
+    """Whether files written here are fsynced before they count as written (local files;
+    object stores are durable once a PUT returns). ``False`` leaves the write-back to the
+    kernel, as ``cp`` and ``torch.save`` do: faster, but a power loss or kernel crash soon
+    after can leave files whose checksums fail."""
 
     @classmethod
     def open(cls, url: str) -> "Store":
@@ -73,7 +78,7 @@ class Store:
         return posixpath.join(self.root, rel) if rel else self.root
 
     def child(self, rel: str) -> "Store":
-        return Store(_join_url(self.url, rel), self.fs, self.path(rel))
+        return Store(_join_url(self.url, rel), self.fs, self.path(rel), self.durable)
 
     def exists(self, rel: str = "") -> bool:
         return self.fs.exists(self.path(rel))
@@ -126,6 +131,9 @@ class Store:
     def write_bytes(self, rel: str, data: bytes) -> None:
         with self.fs.open(self.path(rel), "wb") as f:
             f.write(data)
+            if self.durable and self.is_local:
+                f.flush()
+                os.fsync(f.fileno())
 
     def display(self, rel: str = "") -> str:
         return _join_url(self.url, rel) if rel else self.url
@@ -166,6 +174,11 @@ class RangeReader:
         with self._lock:
             self._file.seek(start)
             return self._file.read(end - start)
+
+    @property
+    def fd(self) -> int | None:
+        """The open descriptor of a local file (for ``pread``), else None."""
+        return self._fd if self._fd is not None and self._fd >= 0 else None
 
     def readinto(self, start: int, out: memoryview) -> int:
         """Fill ``out`` with the bytes from ``start``: straight from the page cache when local."""
@@ -229,14 +242,16 @@ class RenameOutput(AtomicOutput):
     def __init__(self, final: Store, resume_key: str | None = None):
         self.final = final
         tmp_root = f"{final.root}{TMP_MARK}{resume_key or uuid.uuid4().hex[:12]}"
-        self.store = Store(f"{final.url}{tmp_root[len(final.root):]}", final.fs, tmp_root)
+        self.store = Store(f"{final.url}{tmp_root[len(final.root):]}", final.fs, tmp_root, final.durable)
         final.fs.makedirs(tmp_root, exist_ok=resume_key is not None)
 
     def commit(self, write_manifest) -> Store:
         write_manifest(self.store)
-        _fsync_dir(self.store.root)
+        if self.final.durable:
+            _fsync_dir(self.store.root)
         os.rename(self.store.root, self.final.root)
-        _fsync_dir(os.path.dirname(self.final.root) or ".")
+        if self.final.durable:
+            _fsync_dir(os.path.dirname(self.final.root) or ".")
         return self.final
 
 
@@ -255,15 +270,16 @@ class MarkerOutput(AtomicOutput):
 RESUME_KEY_FILE = ".ckptool-resume-key"
 
 
-def atomic_output(url: str, *, overwrite: bool = False, resume_key: str | None = None) -> AtomicOutput:
+def atomic_output(url: str, *, overwrite: bool = False, resume_key: str | None = None,
+                  durable: bool = True) -> AtomicOutput:
     """The right atomic output for ``url``. Refuses an existing destination unless asked.
 
     ``resume_key`` names the job (same source, target and options): an interrupted run's
     partial output with the same key is kept, so the caller can skip what is already done.
     On object stores that output is the uncommitted destination itself (no manifest yet),
-    recognised by the key file written into it.
+    recognised by the key file written into it. ``durable=False``: see :attr:`Store.durable`.
     """
-    final = Store.open(url)
+    final = replace(Store.open(url), durable=durable)
     if final.exists():
         resumable = (resume_key is not None and not final.is_local and not final.exists("ckptool.json")
                      and final.exists(RESUME_KEY_FILE)
@@ -288,10 +304,12 @@ def write_file_atomically(store: Store, rel: str, data: bytes) -> None:
         tmp = store.path(f"{rel}{TMP_MARK}{uuid.uuid4().hex[:12]}")
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if store.durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, store.path(rel))
-        _fsync_dir(os.path.dirname(store.path(rel)))
+        if store.durable:
+            _fsync_dir(os.path.dirname(store.path(rel)))
     else:
         store.write_bytes(rel, data)  # a single PUT is atomic on object stores
 

@@ -241,6 +241,7 @@ class TorchFile:
     def __init__(self, read: Callable[[int, int], bytes], size: int, source: str):
         self.source = source
         self._read = read
+        self._size = size
         self._offsets: dict[str, int] = {}
         try:
             zf = zipfile.ZipFile(_RangeFile(read, size))
@@ -294,6 +295,17 @@ class TorchFile:
             view[:got] = data
         if got != view.nbytes:
             raise BadCheckpoint("archive is truncated", path=self.source)
+
+    def span(self, ref: TensorRef, start: int, count: int) -> tuple[int, int] | None:
+        """``(fd, byte offset)`` of ``count`` elements from flat element ``start`` of a
+        contiguous tensor in a local file; None when the archive is not one (or the run
+        would pass its end: reading reports that)."""
+        fd = getattr(self._read, "fd", None)
+        base = self._offsets.get(ref.storage.key)
+        if fd is None or base is None or not ref.contiguous:
+            return None
+        begin = base + (ref.offset + start) * ref.dtype.itemsize
+        return (fd, begin) if begin + count * ref.dtype.itemsize <= self._size else None
 
     def read_elements(self, ref: TensorRef, start: int, count: int) -> torch.Tensor:
         """``count`` elements from flat element ``start`` of a contiguous tensor."""
@@ -482,12 +494,12 @@ class _ZipWriter:
 
     def record(self, name: str, data) -> None:
         data = memoryview(data) if not isinstance(data, memoryview) else data
-        size = data.nbytes
-        self.start(name, size)
-        self._emit(data)
+        self.start(name, data.nbytes)
+        self._write(data)
 
     def start(self, name: str, size: int) -> None:
-        """Write the header of a record of ``size`` bytes; the caller writes the bytes."""
+        """Write the header of a record of ``size`` bytes; the caller then writes exactly
+        those bytes to the stream (they are counted here)."""
         fname = f"{self._archive}/{name}".encode()
         offset = self._pos
         big = self._zip64 or size >= 0xFFFFFFFF
@@ -499,9 +511,7 @@ class _ZipWriter:
                              len(fname), len(extra))
         self._emit(header + fname + extra)
         self._entries.append((fname, size, offset))
-
-    def write_data(self, data) -> None:
-        self._emit(data)
+        self._pos += size
 
     def finish(self) -> None:
         cd_start = self._pos
@@ -549,6 +559,13 @@ def save(obj: Any, stream: BinaryIO, produce: Callable[[Pending], torch.Tensor] 
     for slot in slots:
         src = slot.source
         tensor = produce(src) if isinstance(src, Pending) else src
+        if hasattr(tensor, "write_to"):  # the engine's FileSpans: bytes streamed from the source
+            if tensor.dtype != slot.dtype or tensor.numel != slot.numel:
+                raise ValueError(f"produced spans for {getattr(src, 'key', '?')!r} are "
+                                 f"{tensor.dtype} x{tensor.numel}, expected {slot.dtype} x{slot.numel}")
+            zf.start(f"data/{slot.index}", tensor.numel * tensor.dtype.itemsize)
+            tensor.write_to(stream)
+            continue
         tensor = tensor.detach().to("cpu").contiguous()
         if tensor.dtype != slot.dtype or tensor.numel() != slot.numel:
             raise ValueError(f"produced tensor for {getattr(src, 'key', '?')!r} is "

@@ -65,6 +65,20 @@ class TorchFileReader(Reader):
         runs = [(offset + start, n) for start, n in byte_runs(piece.region, box)]
         return archive.read_runs(ref, runs).view(box[1])
 
+    def file_span(self, store: Store, piece: Piece, dtype: torch.dtype, box) -> tuple[int, int] | None:
+        # only where reading is this class's plain byte copy: a subclass that reads otherwise
+        # (a conversion, a reorder) must not be bypassed
+        if any(getattr(type(self), m) is not getattr(TorchFileReader, m)
+               for m in ("read_box_into", "read_box", "read_piece")):
+            return None
+        runs = byte_runs(piece.region, box)
+        if len(runs) != 1:
+            return None
+        archive, ref, offset = self._ref(store, piece)
+        if ref.dtype != dtype:
+            return None
+        return archive.span(ref, offset + runs[0][0], runs[0][1])
+
     def read_box_into(self, store: Store, piece: Piece, dtype: torch.dtype, box, out) -> None:
         if not out.is_contiguous():
             return super().read_box_into(store, piece, dtype, box, out)
@@ -80,10 +94,11 @@ def save_target(store: Store, target, tree: Any, produce) -> tuple[int, str]:
     ``Pending`` placeholder in it (named by a target tensor) is produced as it is written.
     Returns (size, xxh3-128)."""
     pending = {t.name: t for t in target.tensors}
+    spans = getattr(produce, "spans", None)  # the engine's: stream runs of source files as they are
     if "/" in target.path:
         store.fs.makedirs(store.path(target.path.rsplit("/", 1)[0]), exist_ok=True)
     with store.open_file(target.path, "wb") as raw:
-        out = HashingWriter(raw)
-        torchfile.save(tree, out, lambda p: produce(pending[p.key]))
+        out = HashingWriter(raw, store.durable)
+        torchfile.save(tree, out, lambda p: (spans and spans(pending[p.key])) or produce(pending[p.key]))
         out.fsync()
     return out.size, out.hexdigest()

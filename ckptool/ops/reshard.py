@@ -18,7 +18,7 @@ from typing import Callable
 
 import converters
 from ckptool.checkpoint import Opened, open_checkpoint
-from ckptool.core.engine import Scratch, ScratchPool, bytes_read, fill_tensor
+from ckptool.core.engine import Scratch, ScratchPool, bytes_read, file_spans, fill_tensor
 from ckptool.core.errors import CkptoolError, UsageError, UnsupportedFormat
 from ckptool.core.layout import check as check_layout
 from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifest
@@ -57,12 +57,13 @@ class ReshardResult:
 
 def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers: int = 1,
             dry_run: bool = False, overwrite: bool = False, true_vocab_size: int | None = None,
-            drop_optimizer: bool = False, options: dict | None = None,
+            drop_optimizer: bool = False, options: dict | None = None, fsync: bool = True,
             progress: Callable[[int], object] | None = None) -> ReshardResult:
     """Rewrite checkpoint ``src`` at ``dst`` in its own format, the topology changed by ``to``.
 
     ``to`` maps tp/pp/dp/vpp/zero to target values (missing keys keep the source's);
-    ``expect`` holds assertions about the source topology.
+    ``expect`` holds assertions about the source topology. ``fsync=False`` leaves the
+    write-back to the kernel (the commit is still atomic; see ``Store.durable``).
     """
     opened = open_checkpoint(src)
     if opened.format not in RESHARDABLE:
@@ -73,7 +74,7 @@ def reshard(src: str, dst: str, *, to: dict, expect: dict | None = None, workers
         raise UsageError("nothing to change", hint="Give at least one of --to-tp, --to-pp, --to-dp")
     return rewrite(opened, dst, opened.format, to=changes, expect=expect, workers=workers,
                    dry_run=dry_run, overwrite=overwrite, true_vocab_size=true_vocab_size,
-                   drop_optimizer=drop_optimizer, progress=progress,
+                   drop_optimizer=drop_optimizer, progress=progress, fsync=fsync,
                    options={k: v for k, v in (options or {}).items() if v is not None})
 
 
@@ -81,7 +82,7 @@ def convert(src: str, dst: str, *, to_format: str, to: dict | None = None, worke
             dry_run: bool = False, overwrite: bool = False, true_vocab_size: int | None = None,
             drop_optimizer: bool = False, names: str | None = None, model_family: str | None = None,
             model_config: str | None = None, options: dict | None = None,
-            init_optimizer: bool = False,
+            init_optimizer: bool = False, fsync: bool = True,
             progress: Callable[[int], object] | None = None) -> ReshardResult:
     """Write checkpoint ``src`` at ``dst`` in format ``to_format`` (topology per ``to``).
 
@@ -100,14 +101,14 @@ def convert(src: str, dst: str, *, to_format: str, to: dict | None = None, worke
     return rewrite(opened, dst, to_format, to={k: v for k, v in (to or {}).items() if v is not None},
                    workers=workers, dry_run=dry_run, overwrite=overwrite,
                    true_vocab_size=true_vocab_size, drop_optimizer=drop_optimizer, names=names,
-                   options=options, init_optimizer=init_optimizer, progress=progress)
+                   options=options, init_optimizer=init_optimizer, progress=progress, fsync=fsync)
 
 
 def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None = None,
             workers: int = 1, dry_run: bool = False, overwrite: bool = False,
             true_vocab_size: int | None = None, drop_optimizer: bool = False,
             names: str | None = None, options: dict | None = None, init_optimizer: bool = False,
-            progress: Callable[[int], object] | None = None) -> ReshardResult:
+            fsync: bool = True, progress: Callable[[int], object] | None = None) -> ReshardResult:
     """The one path for reshard and convert: plan the target files, fill them region by
     region from the source, commit atomically."""
     started = time.perf_counter()
@@ -160,17 +161,17 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
     try:
         return _write_output(opened, dst, fmt, group, writer, plan, index, spec, target_topo, result,
                              options, weights_only, names, true_vocab_size, overwrite, workers,
-                             progress, started)
+                             progress, started, fsync)
     finally:
         group.close()
 
 
 def _write_output(opened, dst, fmt, group, writer, plan, index, spec, target_topo, result, options,
-                  weights_only, names, true_vocab_size, overwrite, workers, progress, started):
+                  weights_only, names, true_vocab_size, overwrite, workers, progress, started, fsync):
     """Write the planned files (this rank's share), then commit on rank 0."""
     key = _resume_key(opened, fmt, result, options, weights_only, names, true_vocab_size)
-    out = group.on_rank0(lambda: atomic_output(dst, overwrite=overwrite, resume_key=key))
-    store = Store.open(out.store.url) if group.rank else out.store
+    out = group.on_rank0(lambda: atomic_output(dst, overwrite=overwrite, resume_key=key, durable=fsync))
+    store = replace(Store.open(out.store.url), durable=fsync) if group.rank else out.store
     try:
         def read_box(piece, dtype, box, out_view):
             opened.reader.read_box_into(opened.store, piece, dtype, box, out_view)
@@ -185,6 +186,12 @@ def _write_output(opened, dst, fmt, group, writer, plan, index, spec, target_top
             if not hasattr(local, "scratch"):
                 local.scratch = Scratch(buffers)
             return fill_tensor(t, index, read_box, scratch=local.scratch)
+
+        def span_of(piece, dtype, box):
+            return opened.reader.file_span(opened.store, piece, dtype, box)
+
+        # a writer that streams (torchreader.save_target) asks for runs of source files first
+        produce.spans = lambda t: file_spans(t, index, span_of)
 
         def write_one(target):
             entry = _reusable(store, target, done)
@@ -306,7 +313,8 @@ def _record(store: Store, rank: int, entry: FileEntry, record=None) -> None:
             with open(store.path(path), "a") as f:
                 f.write(line)
                 f.flush()
-                os.fsync(f.fileno())
+                if store.durable:
+                    os.fsync(f.fileno())
         else:  # object stores cannot append: rewrite the small journal
             old = store.read_bytes(path) if store.exists(path) else b""
             store.write_bytes(path, old + line.encode())
