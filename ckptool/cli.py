@@ -336,9 +336,14 @@ class FormatType(click.ParamType):
 @click.option("--param-groups", type=click.Choice(["decay", "single"]),
               help="deepspeed from hf: the engine's param groups: decay (default; no weight decay "
                    "for biases and 1-D parameters, as the HF Trainer groups them) or single.")
+@click.option("--megatron-lr-schedule", metavar="KEY=VALUE,...",
+              help="megatron from deepspeed with the optimizer: the resuming job's "
+                   "OptimizerParamScheduler (max_lr, min_lr, lr_warmup_steps, lr_decay_steps, "
+                   "lr_decay_style, start_wd, end_wd, wd_incr_steps, wd_incr_style; steps in "
+                   "samples), which a DeepSpeed checkpoint does not hold.")
 @_rewrite_options
 def convert(src, dst, to_format, tp, pp, dp, zero, megatron_names, model_family, model_config,
-            max_shard_size, dtype, init_optimizer, param_groups,
+            max_shard_size, dtype, init_optimizer, param_groups, megatron_lr_schedule,
             true_vocab_size, workers, first_stage_layers, last_stage_layers, dry_run, overwrite,
             drop_optimizer, no_fsync, as_json, quiet):
     """Write the checkpoint SRC at DST in another format, optionally at another TP/PP.
@@ -358,6 +363,7 @@ def convert(src, dst, to_format, tp, pp, dp, zero, megatron_names, model_family,
               model_family="gpt2" if model_family == "gpt" else model_family,
               model_config=model_config, init_optimizer=init_optimizer, fsync=not no_fsync,
               options={"max_shard_size": max_shard_size, "dtype": dtype, "param_groups": param_groups,
+                       "megatron_lr_schedule": megatron_lr_schedule,
                        "first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers})
     _render_rewrite(out, res, "converted")
 

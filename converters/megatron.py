@@ -358,10 +358,18 @@ class MegatronWriter(UnevenStages, Writer):
 
     name = NAME
     _layout_note: str | None = None
+    _schedule: dict | None = None
+    _from_deepspeed: optim.FromDeepSpeed | None = None
+
+    def configure(self, *, megatron_lr_schedule: str | None = None, **options) -> None:
+        super().configure(**options)
+        self._schedule = optim.parse_schedule(megatron_lr_schedule) if megatron_lr_schedule else None
 
     def notes(self, index: CheckpointIndex) -> list[str]:
         """What a user resuming from the output must know."""
         notes = [self._layout_note] if self._layout_note else []
+        if self._from_deepspeed:
+            notes.append(self._from_deepspeed.note)
         if not any(k.endswith(".rng_state") for k in index.objects):
             notes.append("the source has no RNG state, so none is written: resume with Megatron's "
                          "--no-load-rng")
@@ -382,6 +390,9 @@ class MegatronWriter(UnevenStages, Writer):
         it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)
         stages = stage_layers(spec, topo.pp, topo.vpp)
         optim_layout = index.objects.get(OPTIMIZER_LAYOUT_KEY) if with_optimizer else None
+        self._from_deepspeed = optim.deepspeed_state(index, self._schedule, with_optimizer)
+        optim_layout = optim_layout.value if optim_layout else \
+            self._from_deepspeed.layout if self._from_deepspeed else None
         distributed = index.objects.get(DISTOPT_KEY) if with_optimizer else None
         files = []
         for rank in layout(spec, topo):
@@ -389,7 +400,9 @@ class MegatronWriter(UnevenStages, Writer):
             target = TargetFile(f"{rank_path}/{FILE}",
                                 context={"tp": rank.tp_rank, "pp": rank.pp_rank, "schema": schema,
                                          "spec": spec, "topo": topo,
-                                         "optimizer": optim_layout.value if optim_layout else None,
+                                         "optimizer": optim_layout,
+                                         "scheduler": self._from_deepspeed.scheduler
+                                         if self._from_deepspeed else None,
                                          "distopt_state": distributed.value.state if distributed
                                          else None})
             named = []
@@ -400,6 +413,11 @@ class MegatronWriter(UnevenStages, Writer):
             named.sort(key=lambda x: (x[0], x[1]))
             for chunk, _, name, t in named:
                 chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
+                if optim.master_is_weight(index, optim_layout, _key(t)):
+                    target.tensors.append(TargetTensor((chunk_key, name),
+                                                       optim.state_shard("fp32_param", t.shard),
+                                                       torch.float32))
+                    continue
                 target.tensors.append(TargetTensor((chunk_key, name), t.shard, source_dtype(index, _key(t))))
             if distributed is not None:
                 files.append(self._distopt_file(f"{rank_path}/{DISTRIB_OPTIM}", index, named,
@@ -407,7 +425,7 @@ class MegatronWriter(UnevenStages, Writer):
             if optim_layout is not None:
                 for chunk, _, name, t in named:
                     chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
-                    for kind in optim.state_kinds(optim_layout.value):
+                    for kind in optim.state_kinds(optim_layout):
                         key = optim.state_key(kind, _key(t))
                         target.tensors.append(TargetTensor((OPTIM_PATH, kind, chunk_key, name),
                                                            optim.state_shard(kind, t.shard),
@@ -481,6 +499,8 @@ class MegatronWriter(UnevenStages, Writer):
         for key in CARRIED:
             if key in index.objects:
                 state[key] = copy.deepcopy(index.objects[key].value)
+        if ctx["scheduler"] is not None:
+            state[optim.SCHEDULER_KEY] = copy.deepcopy(ctx["scheduler"])
         state.setdefault("checkpoint_version", 3.0)
         state.setdefault("iteration", index.iteration or 0)
         args = index.objects.get("args")

@@ -122,10 +122,18 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         self._shapes: dict[str, tuple] = {}
         self._optimizer: optim.Layout | None = None
         self._distributed = None
+        self._schedule: dict | None = None
+        self._from_deepspeed: optim.FromDeepSpeed | None = None
+
+    def configure(self, *, megatron_lr_schedule: str | None = None, **options) -> None:
+        super().configure(**options)
+        self._schedule = optim.parse_schedule(megatron_lr_schedule) if megatron_lr_schedule else None
 
     def notes(self, index) -> list[str]:
         notes = ["RNG state is not written to torch_dist outputs yet: resume with Megatron's "
                  "--no-load-rng"]
+        if self._from_deepspeed:
+            notes.append(self._from_deepspeed.note)
         if self._distributed is not None:
             source = index.objects.get(dist_distopt.SHARDING_KEY)
             was = f"'{source.value}' in the source" if source else "distrib_optim.pt in the source"
@@ -143,7 +151,7 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
             return index.unmapped
         if optim.DISTRIBUTED_KEY in index.objects:
             return None
-        if optim.LAYOUT_KEY not in index.objects:
+        if optim.LAYOUT_KEY not in index.objects and optim.deepspeed_groups(index) is None:
             return (f"the {index.format} source's optimizer state is not a Megatron optimizer's "
                     "(no param groups and step to write into common.pt)")
         return None
@@ -160,7 +168,9 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         self._shapes = {}
         self._target = (spec, topo)
         optimizer = index.objects.get(optim.LAYOUT_KEY) if with_optimizer else None
-        self._optimizer = optimizer.value if optimizer else None
+        self._from_deepspeed = optim.deepspeed_state(index, self._schedule, with_optimizer)
+        self._optimizer = optimizer.value if optimizer else \
+            self._from_deepspeed.layout if self._from_deepspeed else None
         distributed = index.objects.get(optim.DISTRIBUTED_KEY) if with_optimizer else None
         self._distributed = distributed.value if distributed else None
         kinds = optim.state_kinds(self._optimizer) if self._optimizer else ()
@@ -176,14 +186,16 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
                     continue
                 for shard, key, offsets, lengths, shape in _chunks(t, params, spec, padded, rank.tp_rank):
                     # the optimizer's state tensors are chunked exactly like their parameter
+                    master = optim.master_is_weight(index, self._optimizer, _first_key(t))
                     for kind in (None, *kinds):
                         name = key if kind is None else state_name(kind, key)
-                        dtype = source_dtype(index, _first_key(t) if kind is None else
-                                             optim.state_key(kind, _first_key(t)))
+                        read = "fp32_param" if kind is None and master else kind
+                        dtype = source_dtype(index, _first_key(t) if read is None else
+                                             optim.state_key(read, _first_key(t)))
                         self._shapes[name] = (shape, dtype)
                         target.tensors.append(TargetTensor(
                             (name, offsets, lengths),
-                            shard if kind is None else optim.state_shard(kind, shard), dtype))
+                            shard if read is None else optim.state_shard(read, shard), dtype))
             files.append(target)
         return files
 
@@ -221,6 +233,8 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         common.setdefault("checkpoint_version", 3.0)
         if self._optimizer is not None:
             common[OPTIMIZER] = optim.sharded_common(self._optimizer)
+        if self._from_deepspeed is not None:
+            common[optim.SCHEDULER_KEY] = self._from_deepspeed.scheduler
         if self._distributed is not None:
             common[OPTIMIZER] = dist_distopt.common_entry(self._distributed)
             common[dist_distopt.CONTENT_METADATA] = dist_distopt.content_metadata(

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ckptool.core.errors import UnreadableInput
+from ckptool.core.errors import UnreadableInput, UsageError
 
 KINDS = ("exp_avg", "exp_avg_sq", "fp32_param")
 PREFIX = "optimizer.state."
@@ -237,9 +237,11 @@ def split_key(key: str) -> tuple[str, str] | None:
     return (kind, param) if kind in KINDS and param else None
 
 
-def check_tensors(index, layout: Layout | None, source: str) -> str | None:
+def check_tensors(index, layout: Layout | None, source: str, kinds: tuple[str, ...] | None = None
+                  ) -> str | None:
     """Why the ``optimizer.*`` tensors of ``index`` are not the model-shaped state that
-    ``layout`` describes (each parameter: one tensor of each kind, of its shape), or None."""
+    ``layout`` describes (each parameter: one tensor of each kind, of its shape; ``kinds``
+    when they are not :func:`state_kinds`), or None."""
     keys = [k for k in index.tensors if k.startswith("optimizer.")]
     if not keys:
         return None if layout is None else \
@@ -259,10 +261,10 @@ def check_tensors(index, layout: Layout | None, source: str) -> str | None:
         if info is None or tuple(info.shape) != tuple(index.tensors[key].shape):
             return f"{key} does not match a parameter of the same shape"
         found.setdefault(param, set()).add(kind)
-    want = set(state_kinds(layout))
-    for param, kinds in found.items():
-        if kinds != want:
-            return f"parameter {param} has optimizer state {sorted(kinds)}, expected {sorted(want)}"
+    want = set(kinds or state_kinds(layout))
+    for param, held in found.items():
+        if held != want:
+            return f"parameter {param} has optimizer state {sorted(held)}, expected {sorted(want)}"
     missing = [k for k in index.tensors if not k.startswith("optimizer.") and k not in found]
     if missing:
         return f"parameter {missing[0]} (and {len(missing) - 1} more) has no optimizer state"
@@ -323,3 +325,231 @@ class _FreshReader:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+# ------------------------------------------------------- a DeepSpeed source's state, as Megatron's
+
+SCHEDULE_FLAG = "--megatron-lr-schedule"
+SCHEDULER_KEY = "opt_param_scheduler"
+"""Where Megatron-LM keeps ``OptimizerParamScheduler.state_dict()``; its loader reads it with
+the optimizer (a KeyError without it)."""
+SCHEDULE = {"max_lr": float, "min_lr": float, "lr_warmup_steps": int, "lr_decay_steps": int,
+            "lr_decay_style": str, "start_wd": float, "end_wd": float, "wd_incr_steps": int,
+            "wd_incr_style": str}
+"""The scheduler's state the job compares with its own args (``--lr``, ``--min-lr``, the
+warmup and decay iterations times ``--global-batch-size``, ``--start/end-weight-decay``...)."""
+_STYLES = {"lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+           "wd_incr_style": ("constant", "linear", "cosine")}
+_SCHEDULE_HINT = (f"Pass {SCHEDULE_FLAG} " + ",".join(f"{k}=..." for k in SCHEDULE)
+                  + " (the OptimizerParamScheduler values of the Megatron job that resumes, "
+                    "steps in samples), or --drop-optimizer")
+_DEEPSPEED_GROUPS = ("deepspeed.layout", "deepspeed.pipeline")
+"""Index objects of the DeepSpeed reader (:mod:`converters.zero`'s ``LAYOUT_KEY`` and
+``PIPELINE_KEY``), read here by their fields only: ``groups`` (param groups of
+``(name, shape)``; per model-parallel rank for a pipeline), ``hyper`` and ``steps``."""
+MEGATRON_GROUP = {"is_expert_parallel": False, "default_config": True, "lr_mult": 1.0,
+                  "is_decoupled_lr": False}
+"""What Megatron-Core 0.16's ``_get_param_groups`` puts in each group of a dense model
+without overrides (``wd_mult``, ``max_lr``, ``min_lr`` besides); its
+``_filter_and_reorder_param_groups`` matches loaded groups by ``(wd_mult, lr_mult,
+is_expert_parallel, is_decoupled_lr)``, a KeyError when a group lacks one."""
+
+
+def parse_schedule(text: str) -> dict:
+    """``max_lr=3e-4,min_lr=3e-5,...`` (every :data:`SCHEDULE` key; ``num_steps`` optional) as
+    typed values, checked as Megatron's OptimizerParamScheduler asserts them."""
+    given = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        kind = SCHEDULE.get(key.strip(), int if key.strip() == "num_steps" else None)
+        if not sep or kind is None:
+            raise UsageError(f"{SCHEDULE_FLAG}: {item!r} is not KEY=VALUE with KEY one of "
+                             f"{', '.join([*SCHEDULE, 'num_steps'])}")
+        try:
+            given[key.strip()] = kind(value.strip())
+        except ValueError:
+            raise UsageError(f"{SCHEDULE_FLAG}: {key.strip()}={value.strip()!r} is not "
+                             f"{'a number' if kind is float else 'an integer'}") from None
+    missing = [k for k in SCHEDULE if k not in given]
+    if missing:
+        raise UsageError(f"{SCHEDULE_FLAG} lacks {', '.join(missing)}", hint=_SCHEDULE_HINT)
+    for key, styles in _STYLES.items():
+        if given[key] not in styles:
+            raise UsageError(f"{SCHEDULE_FLAG}: {key} must be one of {', '.join(styles)}")
+    if not (0 <= given["min_lr"] <= given["max_lr"] and 0 <= given["lr_warmup_steps"]
+            < given["lr_decay_steps"] and 0 <= given["start_wd"] <= given["end_wd"]) or \
+            (given["wd_incr_style"] == "constant" and given["start_wd"] != given["end_wd"]):
+        raise UsageError(f"{SCHEDULE_FLAG}: Megatron's OptimizerParamScheduler refuses these "
+                         "values (it needs 0 <= min_lr <= max_lr, 0 <= lr_warmup_steps < "
+                         "lr_decay_steps, 0 <= start_wd <= end_wd, equal for wd_incr_style=constant)")
+    return given
+
+
+@dataclass(frozen=True)
+class FromDeepSpeed:
+    """A DeepSpeed source's optimizer as Megatron's: the :class:`Layout` and the scheduler
+    state Megatron-LM's loader needs with it, and what the user must know."""
+
+    layout: Layout
+    scheduler: dict
+    note: str
+
+
+def deepspeed_groups(index) -> tuple[list[list[tuple[str, tuple]]], list[dict], list] | None:
+    """The source's DeepSpeed param groups (every model-parallel rank's), hyperparameters and
+    steps per group; None when the index holds no DeepSpeed optimizer."""
+    for key in _DEEPSPEED_GROUPS:
+        obj = index.objects.get(key)
+        if obj is None:
+            continue
+        value = obj.value
+        source = getattr(value, "optim", value)  # a pipeline keeps rank 0's optimizer entries apart
+        if source is None or not getattr(source, "hyper", None):
+            return None
+        ranks = value.groups if isinstance(value.groups, dict) else {0: value.groups}
+        if any(len(g) != len(source.hyper) for g in ranks.values()):
+            raise UsageError("model-parallel ranks of the DeepSpeed source have different numbers "
+                             "of param groups", path=index.url)
+        members = [[p for g in ranks.values() for p in g[i]] for i in range(len(source.hyper))]
+        return members, list(source.hyper), list(source.steps)
+    return None
+
+
+def deepspeed_state(index, schedule: dict | None, with_optimizer: bool) -> FromDeepSpeed | None:
+    """What a Megatron writer writes for a DeepSpeed source's optimizer (None: not one, or
+    the optimizer is dropped); ``schedule`` is the parsed :data:`SCHEDULE_FLAG`."""
+    deepspeed = deepspeed_groups(index) is not None
+    if not deepspeed and schedule is not None:
+        raise UsageError(f"{SCHEDULE_FLAG} applies only to a DeepSpeed source's optimizer state",
+                         path=index.url, hint=f"Drop {SCHEDULE_FLAG}")
+    return from_deepspeed(index, schedule) if with_optimizer and deepspeed else None
+
+
+def master_is_weight(index, layout: Layout | None, key: str) -> bool:
+    """Whether the target's weight ``key`` is written from the source's fp32 master: the
+    FP32Optimizer steps the weight itself, so a master kept apart (DeepSpeed ZeRO-1/2) is it."""
+    return layout is not None and not layout.fp16 and state_key("fp32_param", key) in index.tensors
+
+
+def from_deepspeed(index, schedule: dict | None) -> FromDeepSpeed:
+    """Megatron's optimizer state for a DeepSpeed source, or a UsageError saying why it would
+    not be exact. Megatron-LM loads the optimizer's torch state dict (param groups included:
+    torch keeps the loaded group's values) and then ``opt_param_scheduler``, which sets every
+    group's ``lr`` and ``weight_decay`` from the schedule and the group's ``max_lr``,
+    ``min_lr`` and ``wd_mult``. So:
+
+    * exact from the source: the moments, fp32 masters and step; the torch Adam(W) group
+      values the scheduler does not set (betas, eps, decoupled_weight_decay...), equal in
+      every DeepSpeed group; ``wd_mult`` (1 for weights, 0 for biases and 1-D parameters, by
+      Megatron's rule, which must agree with which DeepSpeed groups decay);
+      ``num_steps`` = DeepSpeed's ``global_samples`` (Megatron counts samples);
+    * Megatron's own defaults: ``lr_mult`` 1, not expert-parallel, no decoupled LR;
+    * from the user (``schedule``): max_lr, min_lr and the rest of the scheduler's state,
+      which the job asserts equal to its args.
+    """
+    found = deepspeed_groups(index)
+    if found is None:
+        raise UsageError("the DeepSpeed source's optimizer state has no param groups to map",
+                         path=index.url, hint="Pass --drop-optimizer to write the weights only")
+    members, hyper, steps = found
+    refuse = _refusal(index.url)
+    fp16 = _mixed_precision(index, refuse)
+    values = {float(s) for s in steps}
+    if len(values) != 1:
+        refuse(f"the DeepSpeed param groups are at different optimizer steps {sorted(values)}")
+    adam = _shared_adam(hyper, refuse)
+    if schedule is None:
+        refuse("Megatron needs its LR schedule with the optimizer (each param group's "
+               "max_lr/min_lr and opt_param_scheduler), which a DeepSpeed checkpoint does not hold",
+               hint=_SCHEDULE_HINT)
+    decay = _weight_decay(members, hyper, schedule, refuse)
+    groups_ = [dict(MEGATRON_GROUP, wd_mult=1.0 if decays else 0.0, max_lr=schedule["max_lr"],
+                    min_lr=schedule["min_lr"], **adam, weight_decay=decay.get(decays, 0.0))
+               for decays in (True, False)]  # Megatron's group order: weights, then no decay
+    samples = index.objects.get("global_samples")
+    num_steps = schedule.get("num_steps", samples.value if samples else None)
+    if num_steps is None:
+        refuse("the DeepSpeed source does not say how many samples it trained on "
+               "(global_samples), Megatron's scheduler step", hint=f"Add num_steps=N to {SCHEDULE_FLAG}")
+    layout = Layout(fp16, {}, values.pop(), groups_, {})
+    masters = any(k.startswith(PREFIX + "fp32_param.") for k in index.tensors)
+    reason = check_tensors(index, layout, index.url, KINDS if masters else None)  # fp32: masters = weights
+    if reason:
+        refuse(reason)
+    scheduler = {"max_lr": schedule["max_lr"], "lr_warmup_steps": schedule["lr_warmup_steps"],
+                 "num_steps": int(num_steps), "lr_decay_style": schedule["lr_decay_style"],
+                 "lr_decay_steps": schedule["lr_decay_steps"], "min_lr": schedule["min_lr"],
+                 "start_wd": schedule["start_wd"], "end_wd": schedule["end_wd"],
+                 "wd_incr_style": schedule["wd_incr_style"], "wd_incr_steps": schedule["wd_incr_steps"]}
+    note = (f"the DeepSpeed optimizer becomes Megatron's {'Float16' if fp16 else 'FP32'}Optimizer "
+            f"with torch {'AdamW' if adam['decoupled_weight_decay'] else 'Adam'} (what Megatron-Core "
+            "builds without Transformer Engine or apex; their FusedAdam cannot take this state): "
+            f"betas {tuple(adam.get('betas', ()))} and eps {adam.get('eps')} come from the "
+            f"checkpoint, not the job's args; opt_param_scheduler num_steps={int(num_steps)} "
+            f"({'given' if 'num_steps' in schedule else 'DeepSpeed global_samples'}), so resume "
+            f"with a --global-batch-size of the samples per DeepSpeed step and the schedule of "
+            f"{SCHEDULE_FLAG}")
+    return FromDeepSpeed(layout, scheduler, note)
+
+
+def _shared_adam(hyper: list[dict], refuse) -> dict:
+    """The torch Adam(W) values every DeepSpeed group shares (all but weight_decay): Megatron's
+    groups share one schedule and one Adam."""
+    common = [{k: v for k, v in h.items() if k != "weight_decay"} for h in hyper]
+    if any(c != common[0] for c in common):
+        refuse("the DeepSpeed param groups differ in more than weight decay (lr, betas or eps)")
+    if common[0].get("amsgrad") or common[0].get("maximize"):
+        refuse("the DeepSpeed AdamW runs with amsgrad or maximize, which Megatron's does not")
+    if common[0].get("decoupled_weight_decay") is None or "bias_correction" in common[0]:
+        refuse("the DeepSpeed optimizer is not torch's Adam/AdamW (set \"torch_adam\": true); "
+               "its state is not the one Megatron's torch AdamW loads")
+    return common[0]
+
+
+def _weight_decay(members, hyper, schedule: dict, refuse) -> dict[bool, float]:
+    """DeepSpeed's weight decay of the parameters Megatron decays (True) and of the others
+    (False), refused unless DeepSpeed decayed exactly the parameters Megatron's rule and
+    the schedule decay, each class by one amount."""
+    job_decays = schedule["start_wd"] > 0 or schedule["end_wd"] > 0
+    amounts: dict[bool, set[float]] = {}
+    for g, group in enumerate(members):
+        wd = float(hyper[g].get("weight_decay", 0.0))
+        for name, shape in group:
+            decayed = not _no_decay(name, len(shape), refuse)
+            if (wd > 0) != (decayed and job_decays):
+                refuse(f"DeepSpeed {'applies' if wd > 0 else 'does not apply'} weight decay to "
+                       f"{name} (param group {g}); Megatron {'would not' if wd > 0 else 'would'}: "
+                       "it decays every parameter but biases and 1-D ones, at the schedule's "
+                       "start_wd/end_wd")
+            amounts.setdefault(decayed, set()).add(wd)
+    if any(len(v) > 1 for v in amounts.values()):
+        refuse(f"the DeepSpeed param groups decay weights by different amounts {sorted(amounts[True])}")
+    return {decayed: wd.pop() for decayed, wd in amounts.items()}
+
+
+def _refusal(url: str):
+    def refuse(reason: str, hint: str = "Pass --drop-optimizer to write the weights only"):
+        raise UsageError(f"the DeepSpeed optimizer state cannot become Megatron's exactly: {reason}",
+                         path=url, hint=hint)
+    return refuse
+
+
+def _no_decay(name: str, ndim: int, refuse) -> bool:
+    """Megatron's rule for one parameter; a name schema may rename, never reshape, so the
+    rule holds under the source's names only where a bias is 1-D."""
+    if name.endswith(".bias") and ndim != 1:
+        refuse(f"{name} is a {ndim}-D bias: Megatron's weight-decay rule would depend on its name")
+    return no_decay(name, ndim)
+
+
+def _mixed_precision(index, refuse) -> bool:
+    """Float16OptimizerWithFloat16Params (bf16 weights, fp32 masters) or FP32Optimizer."""
+    dtypes = {index.model_dtype} if index.model_dtype else \
+        {t.dtype for k, t in index.tensors.items() if not k.startswith("optimizer.")}
+    if torch.float16 in dtypes:
+        refuse("an fp16 run: DeepSpeed's loss scaler does not map exactly onto Megatron's "
+               "DynamicGradScaler (other hysteresis and growth rules), and without one Megatron "
+               "restarts at --initial-loss-scale and skips steps until it finds the scale again")
+    if len(dtypes) != 1 or dtypes - {torch.bfloat16, torch.float32}:
+        refuse(f"weights of dtypes {sorted(str(d) for d in dtypes)}")
+    return dtypes == {torch.bfloat16}

@@ -61,11 +61,14 @@ PRECISIONS = {
     "rr": {"zero_optimization": {"round_robin_gradients": True}},
     # bf16, each parameter of the flat buffers aligned to 16 bytes (zeros in between)
     "align": {"bf16": {"enabled": True}, "zero_optimization": {"parameter_alignment": True}},
+    # a constant learning rate (no scheduler): a schedule Megatron's can continue exactly
+    "fp32_const": {"scheduler": None},
+    "bf16_const": {"bf16": {"enabled": True}, "scheduler": None},
 }
 
 
 def config(stage: int, dp: int, precision: str = "fp32") -> dict:
-    return {**PRECISIONS[precision],
+    cfg = {**PRECISIONS[precision],
         "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
         "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"torch_adam": True, "lr": 1e-2}},
@@ -73,6 +76,9 @@ def config(stage: int, dp: int, precision: str = "fp32") -> dict:
                                                      "warmup_num_steps": 10}},
         "zero_optimization": {**PRECISIONS[precision].get("zero_optimization", {}), "stage": stage},
     }
+    if "scheduler" in PRECISIONS[precision]:
+        del cfg["scheduler"]
+    return cfg
 
 
 def engine(stage: int, dp: int, precision: str = "fp32"):

@@ -71,7 +71,7 @@ def _save_worker(rank: int, world: int, root: str, pp: int, runs: list, port: in
         args = argparse.Namespace(**H.PIPE_ARGS, tensor_model_parallel_size=1,
                                   pipeline_model_parallel_size=pp, world_size=world,
                                   data_parallel_size=world // pp, iteration=H.STEPS)
-        args.bf16 = precision == "bf16"
+        args.bf16 = precision.startswith("bf16")
         rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
                 "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}]
         eng.save_checkpoint(f"{root}/{name}", client_state={
@@ -80,6 +80,7 @@ def _save_worker(rank: int, world: int, root: str, pp: int, runs: list, port: in
         record = _record(eng)
         record["loss"] = train_batch(eng, H.NEXT_STEP)
         record["module_after"] = H.module_state(eng)
+        record["state_after"] = H.full_state(eng)
         torch.save(record, f"{root}/{name}.rank{rank}.truth.pt")
 
 
@@ -98,7 +99,8 @@ def _load_worker(rank: int, world: int, jobs: list, port: int) -> None:
 def save(root: Path, runs=H.PIPE_RUNS, pp: int = 2, dp: int = 1) -> None:
     """``root/{name}`` per ``(name, stage, precision)`` of ``runs``, trained and saved at
     TP1/``pp``/``dp``, and ``{name}.rank{r}.truth.pt``: the state at the save (fp32
-    masters and moments by parameter name) and the next step's loss."""
+    masters and moments by parameter name), the next step's loss and the state after it
+    (``state_after``)."""
     _spawn(_save_worker, pp * dp, str(root), pp, [tuple(r) for r in runs])
 
 

@@ -92,11 +92,11 @@ def test_bf16_run_gives_its_fp32_masters_or_its_bf16_weights(runs, run_cli, tmp_
 def test_deepspeed_to_megatron_and_back_is_exact(runs, run_cli, tmp_path):
     """The same canonical view feeds every writer: a DeepSpeed-trained Llama becomes a
     Megatron TP2 checkpoint whose weights, converted on to HF, equal the direct conversion's
-    bit for bit. (Its ZeRO optimizer state is refused by the Megatron writer: DeepSpeed's
-    param groups are not Megatron's.)"""
+    bit for bit. (Its ZeRO optimizer state needs the resuming job's LR schedule, which a
+    DeepSpeed checkpoint does not hold: refused without --megatron-lr-schedule.)"""
     src = runs / "llama_z2"
     refused = run_cli("convert", src, tmp_path / "m0", "--to", "megatron", "--tp", "2")
-    assert refused.code == 2 and "--drop-optimizer" in refused.err
+    assert refused.code == 2 and "--drop-optimizer" in refused.err and "--megatron-lr-schedule" in refused.err
     assert not (tmp_path / "m0").exists()
     assert run_cli("convert", src, tmp_path / "hf", "--to", "hf", "--dtype", "fp32").code == 0
     res = run_cli("convert", src, tmp_path / "meg", "--to", "megatron", "--tp", "2",
