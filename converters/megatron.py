@@ -504,7 +504,7 @@ class MegatronWriter(UnevenStages, Writer):
         state.setdefault("checkpoint_version", 3.0)
         state.setdefault("iteration", index.iteration or 0)
         args = index.objects.get("args")
-        state["args"] = update_args(args.value if args else None, spec, topo, true_vocab_size)
+        state["args"] = update_args(args.value if args else None, spec, topo, true_vocab_size, index)
         rng = _pick_rng(index, ctx["tp"], ctx["pp"])
         if rng is not None:
             state["rng_state"] = rng

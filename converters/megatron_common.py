@@ -298,8 +298,13 @@ def retarget_spec(spec: ModelSpec, source_tp: int, target_tp: int, vocab_known: 
 
 
 def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology,
-                true_vocab_size: int | None) -> argparse.Namespace:
-    """Megatron args for the target topology (Megatron asserts they match the job's)."""
+                true_vocab_size: int | None, index: CheckpointIndex | None = None) -> argparse.Namespace:
+    """Megatron args for the target topology (Megatron asserts they match the job's).
+
+    Args made for a source without them (DeepSpeed, HF) say how many samples it trained on
+    (``consumed_train_samples``, from DeepSpeed's ``global_samples``): Megatron's loader
+    restarts the data loader there, at 0 without it."""
+    samples = index.objects.get("global_samples") if args is None and index is not None else None
     new = copy.deepcopy(args) if args is not None else argparse.Namespace(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads, ffn_hidden_size=spec.ffn,
@@ -311,6 +316,8 @@ def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology
         position_embedding_type="learned_absolute" if spec.learned_positions else "rope",
         max_position_embeddings=spec.max_position_embeddings, norm_epsilon=spec.norm_epsilon,
         rotary_base=spec.rotary_base, openai_gelu=spec.activation == "gelu_tanh")
+    if samples is not None and isinstance(samples.value, int):
+        new.consumed_train_samples = samples.value
     new.tensor_model_parallel_size = topo.tp
     new.pipeline_model_parallel_size = topo.pp
     new.data_parallel_size = topo.dp

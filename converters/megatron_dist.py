@@ -241,7 +241,7 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
                 common.get(dist_distopt.CONTENT_METADATA))
         args = index.objects.get("args")
         spec, topo = self._target
-        common["args"] = update_args(args.value if args else None, spec, topo, index.true_vocab_size)
+        common["args"] = update_args(args.value if args else None, spec, topo, index.true_vocab_size, index)
         buf = io.BytesIO()
         torch.save(common, buf)
         sub.write_bytes(COMMON, buf.getvalue())

@@ -102,6 +102,10 @@ def test_deepspeed_to_megatron_and_back_is_exact(runs, run_cli, tmp_path):
     res = run_cli("convert", src, tmp_path / "meg", "--to", "megatron", "--tp", "2",
                   "--drop-optimizer")
     assert res.code == 0, res.err
+    # Megatron's loader restarts the data where the args say: DeepSpeed's sample count
+    samples = torch.load(next(src.rglob("mp_rank_00_model_states.pt")), weights_only=False)["global_samples"]
+    args = torch.load(next((tmp_path / "meg").rglob("model_optim_rng.pt")), weights_only=False)["args"]
+    assert samples > 0 and args.consumed_train_samples == samples
     back = run_cli("convert", tmp_path / "meg", tmp_path / "hf2", "--to", "hf")
     assert back.code == 0, back.err
     from safetensors.torch import load_file
