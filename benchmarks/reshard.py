@@ -128,6 +128,21 @@ for rank in layout(spec, new):                                              # sp
 '''
 
 
+def kernel_copies(base: Path) -> str:
+    """Whether this filesystem takes copy_file_range (ckptool's path for runs of source
+    files; without it they go through a small buffer)."""
+    src, dst = base / "probe-src", base / "probe-dst"
+    src.write_bytes(b"x" * 4096)
+    try:
+        with open(src, "rb") as f, open(dst, "wb") as g:
+            return "yes" if os.copy_file_range(f.fileno(), g.fileno(), 4096, 0) == 4096 else "short"
+    except (AttributeError, OSError) as exc:
+        return f"no ({exc})"
+    finally:
+        src.unlink()
+        dst.unlink(missing_ok=True)
+
+
 def same_tensors(a: Path, b: Path) -> bool:
     for f in sorted(a.rglob("model_optim_rng.pt")):
         x = torch.load(f, weights_only=False, mmap=True)["model"]
@@ -157,7 +172,8 @@ def main() -> None:
         largest = max(p.shape[0] * p.shape[1] * 4 if len(p.shape) == 2 else 0
                       for p in global_params(spec))
         print(f"source: TP4/PP2, {spec.num_layers} layers, hidden {spec.hidden_size}: {size / 1e9:.2f} GB "
-              f"(made in {time.perf_counter() - t:.0f}s); largest tensor {largest / 1e9:.2f} GB")
+              f"(made in {time.perf_counter() - t:.0f}s); largest tensor {largest / 1e9:.2f} GB; "
+              f"in-kernel copies here: {kernel_copies(base)}")
         subprocess.run(["cat", *map(str, src.rglob("*.pt"))], stdout=subprocess.DEVNULL, check=True)
 
         # `python -m ckptool` from this checkout: no install needed (a bare GPU node, say)

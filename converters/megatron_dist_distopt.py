@@ -184,17 +184,22 @@ def _read_model_shaped(value, index, spec, args, source) -> dict:
 
 
 def _read_buckets(index, spec, args, source, read_object) -> tuple[dict, dict]:
-    """The ``dp_reshardable`` bucket tensors as per-parameter pieces; the optimizer state."""
+    """The ``dp_reshardable`` bucket tensors as per-parameter pieces; the optimizer state.
+
+    All or nothing: the index changes only once every rank has mapped, so a refusal leaves
+    the stored bucket tensors in place (``verify`` still checks them as stored)."""
     stored: dict[tuple[int, int], dict[int, dict[str, TensorInfo]]] = {}
     dtypes: dict[tuple[int, int], tuple] = {}
-    for key in [k for k in index.tensors if k.startswith(_DISTRIBUTED)]:
+    bucket_keys = [k for k in index.tensors if k.startswith(_DISTRIBUTED)]
+    added: dict[str, TensorInfo] = {}
+    for key in bucket_keys:
         m = _BUCKET.match(key)
         if m is None or m.group(6) not in distopt.FILE_KEYS.values():
             raise UnreadableInput(f"distributed-optimizer tensor {key} is not a bucket of "
                                   "Megatron's buffers", path=source)
         g, i, b = int(m.group(1)), int(m.group(2)), int(m.group(5))
         dtypes[(g, i)] = (getattr(torch, m.group(3)), getattr(torch, m.group(4)))
-        stored.setdefault((g, i), {}).setdefault(b, {})[m.group(6)] = index.tensors.pop(key)
+        stored.setdefault((g, i), {}).setdefault(b, {})[m.group(6)] = index.tensors[key]
     keys: dict[torch.dtype, tuple] = {}
     states = []
     ranks = _ranks(index, spec, args)
@@ -218,7 +223,7 @@ def _read_buckets(index, spec, args, source, read_object) -> tuple[dict, dict]:
                     f"rule gives {list(buffer.buckets)} (bucket size {buffer.bucket_size}); "
                     "ckptool cannot map it to parameters", path=source)
             keys[buffer.dtype] = dtypes[(g, i)]
-            _add_pieces(index, rank, buffer, buckets)
+            _add_pieces(added, rank, buffer, buckets, source)
         states.append(_group_state(index, g, source, read_object))
     if stored:
         g, i = min(stored)
@@ -229,6 +234,9 @@ def _read_buckets(index, spec, args, source, read_object) -> tuple[dict, dict]:
     if len(steps) > 1:
         raise UnreadableInput(f"model-parallel ranks disagree on the optimizer step: "
                               f"{sorted(steps)}", path=source)
+    for key in bucket_keys:
+        del index.tensors[key]
+    index.tensors.update(added)
     for key in [k for k in index.objects if k.startswith(_DISTRIBUTED)]:
         del index.objects[key]
     return states[0], keys
@@ -249,7 +257,7 @@ def _lengths(buckets: dict, where: str, source: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _add_pieces(index, rank, buffer, buckets) -> None:
+def _add_pieces(tensors: dict, rank, buffer, buckets, source: str) -> None:
     starts = [sum(buffer.buckets[:b]) for b in range(len(buffer.buckets))]
     for uname, offset in buffer.offsets.items():
         b = max(j for j, s in enumerate(starts) if s <= offset)
@@ -258,14 +266,14 @@ def _add_pieces(index, rank, buffer, buckets) -> None:
             bucket = buckets[b][fkey]
             for off, region in t.shard.parts:
                 key = optim.state_key(kind, region.key)
-                info = index.tensors.get(key)
+                info = tensors.get(key)
                 if info is None:
-                    info = index.tensors[key] = TensorInfo(key, region.global_shape, bucket.dtype)
+                    info = tensors[key] = TensorInfo(key, region.global_shape, bucket.dtype)
                 copies = info.replicas if t.replica else info.pieces
-                copies.extend(_slices(bucket, offset - starts[b] + off, replace(region, key=key)))
+                copies.extend(_slices(bucket, offset - starts[b] + off, replace(region, key=key), source))
 
 
-def _slices(bucket: TensorInfo, start: int, region: Region) -> list[Piece]:
+def _slices(bucket: TensorInfo, start: int, region: Region, source: str) -> list[Piece]:
     """Pieces of ``region`` stored as elements ``start...`` of the 1-D ``bucket`` tensor."""
     out = []
     stop = start + region.numel
@@ -281,7 +289,7 @@ def _slices(bucket: TensorInfo, start: int, region: Region) -> list[Piece]:
                                   (FLAT_TAG, a - lo, chunk.region, loc.detail))))
     if sum(p.region.numel for p in out) != region.numel:
         raise UnreadableInput(f"the chunks of {bucket.key} do not cover elements {start}.."
-                              f"{stop}")
+                              f"{stop}", path=source)
     return out
 
 

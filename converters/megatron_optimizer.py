@@ -323,6 +323,11 @@ class _FreshReader:
         else:
             self.inner.read_box_into(store, piece, dtype, box, out)
 
+    def file_span(self, store, piece, dtype, box):
+        if piece.location.detail == _ZEROS and not piece.location.file:
+            return None  # no file holds them: filled, never copied
+        return self.inner.file_span(store, piece, dtype, box)
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 

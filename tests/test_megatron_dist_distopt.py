@@ -10,6 +10,7 @@ for bit, and the next step must give the uninterrupted run's loss.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -74,6 +75,31 @@ def test_a_wrong_layout_rule_is_caught(real, monkeypatch):
     index = open_checkpoint(str(real / "dp2")).index
     assert index.unmapped.startswith("dp_group_idx_0 gbuf_idx_0 holds buckets of [9920, 7232, ")
     assert optim.DISTRIBUTED_KEY not in index.objects
+
+
+def test_a_rank_refused_late_leaves_the_stored_state_as_it_is(real, tmp_path, run_cli, monkeypatch):
+    """The rule fails on TP rank 1 only, after rank 0 mapped: nothing half-mapped stays in
+    the index, so verify sees the buckets as stored (sound, unsealed: exit 0) and reshard
+    refuses with the reason."""
+    layout, calls = distopt.layout, []
+
+    def second_differs(*args):
+        calls.append(1)
+        buffers = layout(*args)
+        if len(calls) == 2:
+            buffers[0] = dataclasses.replace(buffers[0], buckets=buffers[0].buckets + (64,))
+        return buffers
+    monkeypatch.setattr(distopt, "layout", second_differs)
+    index = open_checkpoint(str(real / "tp2")).index
+    assert len(calls) == 2 and "dp_group_idx_1 gbuf_idx_0 holds buckets of" in index.unmapped
+    assert not any(k.startswith(optim.PREFIX) for k in index.tensors)
+    assert any(k.startswith("optimizer.distributed.") for k in index.tensors)
+    calls.clear()
+    res = run_cli("verify", real / "tp2")
+    assert res.code == 0, res.out + res.err
+    calls.clear()
+    res = run_cli("reshard", real / "tp2", tmp_path / "out", "--to-tp", "1")
+    assert res.code == 2 and "dp_group_idx_1" in res.err and not (tmp_path / "out").exists()
 
 
 def test_fully_reshardable_of_several_buckets_is_refused(real, tmp_path, run_cli):

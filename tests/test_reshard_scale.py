@@ -190,6 +190,9 @@ def test_source_runs_stream_by_in_kernel_copy_with_the_same_bytes(megatron_sourc
         raise OSError(18, "Invalid cross-device link")
     monkeypatch.setattr(os, "copy_file_range", refuse)
     assert run_cli("reshard", megatron_source, tmp_path / "buffered", *args).code == 0
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: 0)  # some filesystems copy nothing
+    assert run_cli("reshard", megatron_source, tmp_path / "nothing", *args).code == 0
+    assert _files(tmp_path / "nothing") == _files(tmp_path / "buffered")
 
     monkeypatch.setattr(ops, "file_spans", lambda *a: None)
     assert run_cli("reshard", megatron_source, tmp_path / "filled", *args).code == 0
@@ -209,3 +212,29 @@ def test_a_truncated_source_is_reported_not_copied(megatron_source, tmp_path, ru
     r = run_cli("reshard", src, tmp_path / "out", "--to-tp", "2", "--to-pp", "4")
     assert r.code in (1, 2) and len(r.err.strip().splitlines()) == 1, r.err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_fsync_is_an_error_and_nothing_is_committed(megatron_source, tmp_path, run_cli,
+                                                             monkeypatch):
+    """EIO from fsync means the bytes may not be on disk: the reshard fails with one line,
+    DST does not appear, and the file is not journaled as done (a re-run rewrites it). A
+    descriptor that cannot be synced (EINVAL) is no error."""
+    import errno
+
+    real_fsync = os.fsync
+
+    def failing(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".pt"):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", failing)
+    r = run_cli("reshard", megatron_source, tmp_path / "out", "--to-tp", "2", "--to-pp", "4")
+    assert r.code == 2 and "Input/output error" in r.err and len(r.err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+    journaled = "".join(p.read_text() for p in tmp_path.glob("out.tmp-*/.ckptool-done*"))
+    assert ".pt" not in journaled
+
+    def unsyncable(fd):
+        raise OSError(errno.EINVAL, "Invalid argument")
+    monkeypatch.setattr(os, "fsync", unsyncable)
+    assert run_cli("reshard", megatron_source, tmp_path / "ok", "--to-tp", "2", "--to-pp", "4").code == 0

@@ -8,6 +8,7 @@ can (:class:`HashingWriter`) and in one streaming pass otherwise (:func:`hash_fi
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import io
 import json
 import mmap
@@ -20,7 +21,7 @@ import xxhash
 
 from ckptool.core import VERSION
 from ckptool.core.errors import BadCheckpoint
-from ckptool.core.storage import Store, write_file_atomically
+from ckptool.core.storage import Store, fsync, write_file_atomically
 
 MANIFEST = "ckptool.json"
 MANIFEST_VERSION = 1
@@ -125,7 +126,7 @@ class HashingWriter:
         """Append ``count`` bytes of the local file ``fd`` from ``offset`` by an in-kernel
         copy (``copy_file_range``: no pass through user memory), hashed from a read-only map
         of the source. Returns the bytes copied: fewer than ``count`` when the kernel or the
-        filesystem cannot (the caller writes the rest), -1 when the source ends early."""
+        filesystem cannot (the caller writes the rest, and reports a source that ends early)."""
         out = _fileno(self._raw) if self._copy and count else None
         if out is None:
             return 0
@@ -137,7 +138,7 @@ class HashingWriter:
             except OSError:
                 self._copy = False  # EXDEV, EINVAL, ENOSYS...: this stream writes its bytes
                 break
-            if n == 0:
+            if n == 0:  # the end of the source, or a filesystem that copies nothing
                 break
             done += n
         if done:
@@ -146,16 +147,28 @@ class HashingWriter:
             self.size += done
             if self._fd is not None and self.size - self._flushed >= self.WRITEBACK:
                 self._writeback()
-        if done < count and self._copy:
-            return -1  # copy_file_range stops only at the source's end
         return done
 
     def _hash_file(self, fd: int, offset: int, count: int) -> None:
+        """Hash bytes just copied, from a map of the source (no copy), else read in blocks
+        (a filesystem that cannot map)."""
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        with mmap.mmap(fd, offset + count - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                       prot=mmap.PROT_READ, offset=start) as m:
-            with memoryview(m) as view, view[offset - start:] as part:
+        try:
+            m = mmap.mmap(fd, offset + count - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                          prot=mmap.PROT_READ, offset=start)
+        except (OSError, ValueError):
+            m = None
+        if m is not None:
+            with m, memoryview(m) as view, view[offset - start:] as part:
                 self._hash.update(part)
+            return
+        buf, done = memoryview(bytearray(min(count, 8 << 20))), 0
+        while done < count:
+            n = os.preadv(fd, [buf[:min(len(buf), count - done)]], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, "a source file changed while it was copied")
+            self._hash.update(buf[:n])
+            done += n
 
     def _writeback(self) -> None:
         try:
@@ -176,10 +189,7 @@ class HashingWriter:
         self._raw.flush()
         fd = _fileno(self._raw) if self._durable else None
         if fd is not None:
-            try:
-                os.fsync(fd)
-            except OSError:
-                pass
+            fsync(fd)
 
 
 def _fileno(raw) -> int | None:

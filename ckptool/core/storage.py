@@ -15,6 +15,7 @@ Atomicity is a named object, not scattered protocol checks:
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import re
@@ -133,7 +134,7 @@ class Store:
             f.write(data)
             if self.durable and self.is_local:
                 f.flush()
-                os.fsync(f.fileno())
+                fsync(f.fileno())
 
     def display(self, rel: str = "") -> str:
         return _join_url(self.url, rel) if rel else self.url
@@ -306,12 +307,27 @@ def write_file_atomically(store: Store, rel: str, data: bytes) -> None:
             f.write(data)
             if store.durable:
                 f.flush()
-                os.fsync(f.fileno())
+                fsync(f.fileno())
         os.replace(tmp, store.path(rel))
         if store.durable:
             _fsync_dir(os.path.dirname(store.path(rel)))
     else:
         store.write_bytes(rel, data)  # a single PUT is atomic on object stores
+
+
+_CANNOT_SYNC = {errno.EINVAL, errno.EROFS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF}
+"""fsync errors of descriptors that cannot be synced (a pipe, a read-only or special
+filesystem): nothing to wait for. Any other error (EIO, ENOSPC...) means the data may not
+be on disk, so the output must not be committed."""
+
+
+def fsync(fd: int) -> None:
+    """``os.fsync``, raising every error but those of a descriptor that cannot be synced."""
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _CANNOT_SYNC:
+            raise
 
 
 def _fsync_dir(path: str) -> None:
@@ -320,8 +336,6 @@ def _fsync_dir(path: str) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        fsync(fd)
     finally:
         os.close(fd)

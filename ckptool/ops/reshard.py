@@ -22,7 +22,7 @@ from ckptool.core.engine import Scratch, ScratchPool, bytes_read, file_spans, fi
 from ckptool.core.errors import CkptoolError, UsageError, UnsupportedFormat
 from ckptool.core.layout import check as check_layout
 from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifest
-from ckptool.core.storage import Store, atomic_output
+from ckptool.core.storage import Store, atomic_output, fsync
 from converters.megatron_optimizer import state_key
 
 RESHARDABLE = ("megatron", "megatron-dist", "dcp", "deepspeed")
@@ -314,7 +314,7 @@ def _record(store: Store, rank: int, entry: FileEntry, record=None) -> None:
                 f.write(line)
                 f.flush()
                 if store.durable:
-                    os.fsync(f.fileno())
+                    fsync(f.fileno())
         else:  # object stores cannot append: rewrite the small journal
             old = store.read_bytes(path) if store.exists(path) else b""
             store.write_bytes(path, old + line.encode())
