@@ -53,8 +53,9 @@ from converters.megatron_optimizer import FRESH_STEP, state_key
 from converters.megatron_optimizer import groups as megatron_groups
 from converters.megatron_optimizer import no_decay
 from converters.zero import uncarried_state
-from converters.zero import (LAYOUT_KEY, MARK, MOMENTS, OPTIM_FILE, PER_RANK, PIPELINE_KEY, Layout,
-                             ZeroReader, add_region, alignment_paddings, check_sub_groups, int_or_none,
+from converters.zero import (LAYOUT_KEY, MARK, MOMENTS, OPTIM_FILE, PER_RANK, PIPELINE_KEY,
+                             UNFUSED_MASTERS, UNFUSED_STATE, Layout, ZeroReader, add_region,
+                             alignment_paddings, check_sub_groups, int_or_none,
                              model_states_tree, optim_states_tree, ordered_for, parameter_alignment,
                              rank_files, source_state_key, zero3_partition, zero_partition, zero_stage)
 
@@ -222,15 +223,17 @@ class DeepSpeedReader(ZeroReader):
 
     def _read_stage0_optimizer(self, store, index, tag, rel, ms, aliases) -> None:
         """A stage-0 engine's optimizer: the client's torch optimizer state dict, which numbers
-        parameters by position across its param groups. Mapped to names by :func:`stage0_groups`;
-        the fp32 weights are the module's (no separate masters), as at ZeRO-3."""
+        parameters by position across its param groups. Mapped to names by :func:`stage0_groups`.
+        An fp32 engine's weights are the module's (no separate masters), as at ZeRO-3; a
+        bf16/fp16 engine's FP16_UnfusedOptimizer keeps fp32 masters beside the state dict
+        (``fp32_groups``, parallel to its param groups) and its loss-scale entries."""
         archive = self._load(store, rel)
         mapped = stage0_groups(ms, aliases)
         if isinstance(mapped, str):
             index.unmapped = f"DeepSpeed stage-0 optimizer state: {mapped}"
             return
         groups, order, frozen = mapped
-        osd = ms["optimizer"]
+        osd, wrapper = _unwrapped(ms["optimizer"])
         steps = []
         for g, group in enumerate(groups):
             values = {repr(archive.materialize(osd["state"][order[n]].get("step"))) for n, _ in group}
@@ -239,6 +242,8 @@ class DeepSpeedReader(ZeroReader):
                 return
             steps.append(archive.materialize(osd["state"][order[group[0][0]]].get("step")) if group else 0)
         module = ms["module"]
+        scaler = None if wrapper is None else {k: archive.materialize(v) for k, v in wrapper.items()
+                                               if k not in (UNFUSED_STATE, UNFUSED_MASTERS)}
         layout = Layout(
             tag=tag or "global_step%d" % (int_or_none(ms.get("global_steps")) or 0), stage=0,
             bf16_files=False, bf16_optimizer=False, groups=groups, frozen=frozen, shared=aliases,
@@ -246,22 +251,31 @@ class DeepSpeedReader(ZeroReader):
             model_states=archive.materialize({k: v for k, v in ms.items()
                                               if k not in ("module", "optimizer")}),
             optim_file={"ds_version": ms.get("ds_version")},
-            osd={"loss_scaler": _loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
-                 "zero_stage": 0, "ds_version": ms.get("ds_version")},
+            osd={"loss_scaler": _loss_scaler(float((scaler or {}).get("cur_scale", 1.0))),
+                 "dynamic_loss_scale": bool((scaler or {}).get("dynamic_loss_scale")),
+                 "overflow": False, "zero_stage": 0, "ds_version": ms.get("ds_version")},
             hyper=[{k: archive.materialize(v) for k, v in pg.items() if k != "params"}
-                   for pg in osd["param_groups"]], steps=steps)
+                   for pg in osd["param_groups"]], steps=steps, scaler=scaler)
+        layout.bf16_files = layout.model_dtype == torch.bfloat16  # the name of ZeRO output files
         index.objects[LAYOUT_KEY] = ObjectInfo(LAYOUT_KEY, value=layout)
         index.objects["optimizer.step"] = ObjectInfo("optimizer.step", value=steps)
         index.objects["optimizer.param_groups"] = ObjectInfo("optimizer.param_groups", value=layout.hyper)
+        at = ("optimizer",) if wrapper is None else ("optimizer", UNFUSED_STATE)
+        slots = {i: (g, j) for g, pg in enumerate(osd["param_groups"]) for j, i in enumerate(pg["params"])}
         for name, shape in (p for group in groups for p in group):
-            for kind in MOMENTS:
-                ref = osd["state"][order[name]].get(kind)
-                if not isinstance(ref, TensorRef) or tuple(ref.shape) != shape:
-                    raise BadCheckpoint(f"{kind} of {name} is not a tensor of its shape {list(shape)}",
-                                        path=store.display(rel))
+            i = order[name]
+            vectors = [(kind, osd["state"][i].get(kind), (*at, "state", i, kind)) for kind in MOMENTS]
+            if wrapper is not None:
+                g, j = slots[i]
+                vectors.append(("fp32_param", wrapper[UNFUSED_MASTERS][g][j],
+                                ("optimizer", UNFUSED_MASTERS, g, j)))
+            for kind, ref, path in vectors:
+                if not isinstance(ref, TensorRef) or tuple(ref.shape) != shape or \
+                        ref.dtype != torch.float32:
+                    raise BadCheckpoint(f"{kind} of {name} is not an fp32 tensor of its shape "
+                                        f"{list(shape)}", path=store.display(rel))
                 key = state_key(kind, name)
-                add_region(index, key, ref, Region.whole(key, shape), rel,
-                     ("optimizer", "state", order[name], kind), 0)
+                add_region(index, key, ref, Region.whole(key, shape), rel, path, 0)
 
     def _read_module(self, store, index, rel, ms, shared) -> None:
         """Stages 0-2: every ``module`` entry is a full tensor; aliases (and stage 2's frozen
@@ -343,10 +357,16 @@ def stage0_groups(ms: dict, aliases: dict[str, str]):
     A group may skip candidates (frozen parameters are in no group), so its stored moment
     shapes must be a subsequence of the rule's candidates, and the only one: an ambiguous
     or failed match is refused, never guessed."""
-    osd = ms.get("optimizer")
+    if isinstance(ms.get("optimizer"), dict) and "fp32_groups_flat" in ms["optimizer"]:
+        return ("FP16_Optimizer's flat fp32 groups (a fused-Adam fp16/bf16 engine) are not mapped "
+                "to parameters yet")
+    osd, wrapper = _unwrapped(ms.get("optimizer"))
     if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict) or \
             not isinstance(osd.get("param_groups"), list):
-        return "not a torch optimizer state dict (fp16's FP16_Optimizer is not read yet)"
+        return "not a torch optimizer state dict"
+    if wrapper is not None and [len(g) if isinstance(g, list) else None for g in wrapper[UNFUSED_MASTERS]] \
+            != [len(pg.get("params") or ()) for pg in osd["param_groups"]]:
+        return "FP16_UnfusedOptimizer's fp32_groups do not match its param groups"
     uncarried = uncarried_state(osd["state"])
     if uncarried:
         return uncarried
@@ -408,15 +428,25 @@ def _unique_subsequence(want: list, pool: list) -> list[int] | None:
     return left if left == right else None
 
 
-def _loss_scaler():
-    """DeepSpeed's static ``LossScaler(scale=1)`` of an fp32 engine, which ZeRO-3 files carry
-    (never imported: pickled under its name)."""
+def _loss_scaler(scale: float = 1.0):
+    """DeepSpeed's static ``LossScaler(scale)`` (1 for fp32 and bf16 engines), which ZeRO files
+    carry (never imported: pickled under its name)."""
     from ckptool.core.torchfile import _opaque_class
 
     cls = _opaque_class("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
     scaler = cls.__new__(cls)
-    scaler.__setstate__({"cur_scale": 1.0, "dynamic": False})
+    scaler.__setstate__({"cur_scale": scale, "dynamic": False})
     return scaler
+
+
+def _unwrapped(optimizer) -> tuple[Any, dict | None]:
+    """A stage-0 engine's ``optimizer`` entry: ``(the torch state dict, the
+    FP16_UnfusedOptimizer state dict around it or None)``. An fp32 engine saves the client
+    optimizer's state dict itself; a bf16/fp16 one (not a pipeline) saves FP16_UnfusedOptimizer's
+    (:data:`~converters.zero.UNFUSED_STATE`, :data:`~converters.zero.UNFUSED_MASTERS`)."""
+    if isinstance(optimizer, dict) and UNFUSED_STATE in optimizer and UNFUSED_MASTERS in optimizer:
+        return optimizer[UNFUSED_STATE], optimizer
+    return optimizer, None
 
 
 def _aliases(module: dict) -> dict[str, str]:
@@ -509,11 +539,11 @@ class DeepSpeedWriter(Writer):
                                  f"or a Hugging Face model, not from {index.format}", path=index.url)
             self._source = index.objects[LAYOUT_KEY].value
         layout = self._source
-        if target.zero == 0 and index.format != "hf" and (layout.bf16_files or layout.bf16_optimizer or any(
-                d != torch.float32 for n, _, d in layout.module if n in layout.trainable)):
-            raise TopologyError("a bf16 or fp16 engine without ZeRO keeps its state in "
-                                "BF16_Optimizer/FP16_Optimizer files; stage-0 output is written for "
-                                "fp32 engines only", path=index.url, hint="Keep --to-zero 1 or more")
+        if index.format != "hf" and 0 in (source.zero, target.zero) and layout.model_dtype == torch.float16:
+            raise TopologyError("an fp16 engine without ZeRO (FP16_Optimizer) is read but not written: "
+                                "DeepSpeed builds no fp16 engine on CPU, so ckptool has not checked "
+                                "such output against it", path=index.url,
+                                hint="Convert to hf, dcp or megatron; or write ZeRO 1-3 from a ZeRO source")
         if layout.bf16_optimizer and target.zero != 1:
             raise TopologyError("BF16_Optimizer checkpoints stay at ZeRO-1", path=index.url)
         if target.zero == 3:
@@ -568,23 +598,28 @@ class DeepSpeedWriter(Writer):
 
     def _model_file(self, path, index, layout: Layout, topo: Topology, rank: int) -> TargetFile:
         """Model states: ``module`` (full tensors; at ZeRO-3 only buffers) and, from stage 2,
-        the frozen parameters (ZeRO-3: this rank's slice). At stage 0 the trainable weights
-        are the fp32 masters and ``optimizer`` is the torch optimizer's state dict."""
+        the frozen parameters (ZeRO-3: this rank's slice). At stage 0 ``optimizer`` is the
+        torch optimizer's state dict; an fp32 engine's trainable weights are the fp32 masters,
+        a bf16 engine's are in its dtype (a ZeRO-3 source's masters rounded as DeepSpeed
+        rounds them) and the masters go with the optimizer (FP16_UnfusedOptimizer)."""
         target = TargetFile(path, context={"kind": "model", "rank": rank, "topo": topo})
+        masters = topo.zero == 0 and layout.model_dtype not in (None, torch.float32)
         for name, shape, dtype in layout.module:
             if topo.zero == 3 and name in layout.params or name in layout.shared:
                 continue  # an alias is its owner's tensor (model_states_tree)
-            key = source_state_key(index, "fp32_param", name) if topo.zero == 0 and name in layout.trainable \
-                else name
+            key = source_state_key(index, "fp32_param", name) \
+                if topo.zero == 0 and name in layout.trainable and not masters else name
             target.tensors.append(TargetTensor(("module", name), Shard.of(
-                Region.whole(key, index.tensors[name].shape)), index.tensors[name].dtype))
+                Region.whole(key, index.tensors[name].shape)),
+                dtype if masters and name in layout.trainable else index.tensors[name].dtype))
         if topo.zero == 0 and self._with_optimizer and \
                 state_key("exp_avg", next(iter(layout.trainable), "")) in index.tensors:
             for name, shape in (p for group in layout.groups for p in group):
-                for kind in MOMENTS:
-                    key = state_key(kind, name)
+                for kind in MOMENTS + (("fp32_param",) if masters else ()):
+                    key = source_state_key(index, kind, name)
                     target.tensors.append(TargetTensor(("optim", name, kind), Shard.of(
-                        Region.whole(key, shape)), index.tensors[key].dtype))
+                        Region.whole(key, shape)), torch.float32 if kind == "fp32_param"
+                        else index.tensors[key].dtype))
         if topo.zero >= 2:
             for name, shape in layout.frozen:
                 shard = zero3_partition([(name, shape)], topo.dp, rank) if topo.zero == 3 else \

@@ -48,6 +48,11 @@ _ZERO12_ONLY = ("clip_grad", "param_alignment_paddings", "ds_version")
 """``optimizer_state_dict`` entries of ZeRO-1/2 files that ZeRO-3 files lack (DeepSpeed
 0.19.8); derived when writing 1/2 from 3, dropped when writing 3 from 1/2."""
 
+UNFUSED_STATE, UNFUSED_MASTERS = "optimizer_state_dict", "fp32_groups"
+"""FP16_UnfusedOptimizer's state dict (a bf16/fp16 engine without ZeRO, not a pipeline): the
+client's torch state dict and the fp32 masters, a list per param group parallel to its
+``params``, beside the loss-scale entries (DeepSpeed 0.19.8)."""
+
 PIPELINE_KEY = "deepspeed.pipeline"
 """The index object of a pipeline source (:class:`converters.deepspeed_pipe.PipeLayout`)."""
 
@@ -173,10 +178,21 @@ class Layout:
     """The class of ``param_slice_mappings`` values (``fragment_address``), kept opaque."""
     align: int = 1
     """ZeRO-1/2 ``parameter_alignment`` (:func:`alignment_paddings`); 1 without it."""
+    scaler: dict | None = None
+    """A bf16/fp16 stage-0 source's FP16_UnfusedOptimizer entries beside its torch state dict
+    and masters (``dynamic_loss_scale``, ``cur_scale``, ``cur_iter``...); None elsewhere
+    (:func:`_unfused_scaler` derives them from a ZeRO source)."""
 
     @property
     def trainable(self) -> set[str]:
         return {name for group in self.groups for name, _ in group}
+
+    @property
+    def model_dtype(self) -> torch.dtype | None:
+        """The trainable parameters' dtype in ``module`` (bf16/fp16 engines keep fp32 masters
+        apart), if they have one."""
+        dtypes = {dtype for name, _, dtype in self.module if name in self.trainable}
+        return dtypes.pop() if len(dtypes) == 1 else None
 
     @property
     def params(self) -> set[str]:
@@ -350,7 +366,9 @@ def model_states_tree(layout: Layout, topo: Topology, rank: int, pending: dict) 
 def _torch_optimizer(layout: Layout, pending: dict) -> dict | None:
     """A stage-0 engine's ``optimizer``: the torch state dict, parameters numbered across the
     groups in order (the rule :func:`converters.deepspeed.stage0_groups` reads back); each its own step tensor
-    (torch's Adam increments them in place)."""
+    (torch's Adam increments them in place). With fp32 masters (a bf16 engine) it is wrapped
+    as FP16_UnfusedOptimizer saves it: the loss-scale entries, ``optimizer_state_dict`` and
+    ``fp32_groups`` (the masters, group by group in the same order)."""
     params = [name for group in layout.groups for name, _ in group]
     if not params or ("optim", params[0], MOMENTS[0]) not in pending:
         return None
@@ -360,8 +378,24 @@ def _torch_optimizer(layout: Layout, pending: dict) -> dict | None:
         return {"step": step.clone() if isinstance(step, torch.Tensor) else step,
                 **{kind: pending[("optim", name, kind)] for kind in MOMENTS}}
 
-    return torch_state_dict([[name for name, _ in group] for group in layout.groups], layout.hyper,
-                            entry)
+    osd = torch_state_dict([[name for name, _ in group] for group in layout.groups], layout.hyper,
+                           entry)
+    if ("optim", params[0], "fp32_param") not in pending:
+        return osd
+    return {**_unfused_scaler(layout), UNFUSED_STATE: osd,
+            UNFUSED_MASTERS: [[pending[("optim", name, "fp32_param")] for name, _ in group]
+                              for group in layout.groups]}
+
+
+def _unfused_scaler(layout: Layout) -> dict:
+    """FP16_UnfusedOptimizer's loss-scale entries: a stage-0 source's own, else those of a
+    ZeRO source's (static) ``loss_scaler``; ``cur_iter`` counts the optimizer's steps."""
+    if layout.scaler is not None:
+        return dict(layout.scaler)
+    state = getattr(layout.osd.get("loss_scaler"), "_state", None) or {}
+    return {"dynamic_loss_scale": bool(layout.osd.get("dynamic_loss_scale")),
+            "cur_scale": float(state.get("cur_scale", 1.0)),
+            "cur_iter": int_or_none(layout.model_states.get("global_steps")) or 0}
 
 
 def optim_states_tree(layout: Layout, topo: Topology, rank: int, pads: list[int], pending: dict) -> dict:

@@ -121,18 +121,34 @@ def full_state(eng) -> dict:
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
     out = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}, "frozen": {}}
-    # fp32 without ZeRO: the client's torch optimizer, unwrapped (bf16 has BF16_Optimizer)
-    stage0 = not eng.zero_optimization() and not eng.bfloat16_enabled() and not eng.fp16_enabled()
+    masters, inner = _stage0_masters(eng)
     for name, p in eng.module.named_parameters():
         if not p.requires_grad:
             with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
                 out["frozen"][name] = p.detach().clone()
             continue
-        out["params"][name] = (p if stage0 else safe_get_full_fp32_param(p)).detach().clone()
+        out["params"][name] = (masters[p] if masters else safe_get_full_fp32_param(p)).detach().clone()
         for kind in ("exp_avg", "exp_avg_sq"):
-            value = opt.state[p][kind] if stage0 else safe_get_full_optimizer_state(p, kind)
+            value = inner.state[masters[p]][kind] if masters else safe_get_full_optimizer_state(p, kind)
             out[kind][name] = value.detach().clone()
     return out
+
+
+def _stage0_masters(eng):
+    """Without ZeRO: ``({parameter: its fp32 master}, the torch optimizer)``. An fp32 engine
+    steps the client's optimizer on the parameters themselves; a bf16 one (not a pipeline)
+    wraps it in FP16_UnfusedOptimizer, which keeps an fp32 copy of each parameter
+    (``fp32_groups``, parallel to ``fp16_groups``). ``(None, None)`` under ZeRO or
+    BF16_Optimizer, which safe_get_full_fp32_param reads."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    opt = eng.optimizer
+    if isinstance(opt, FP16_UnfusedOptimizer):
+        return {p: q for lp, hp in zip(opt.fp16_groups, opt.fp32_groups) for p, q in zip(lp, hp)}, \
+            opt.optimizer
+    if eng.zero_optimization() or eng.bfloat16_enabled() or eng.fp16_enabled():
+        return None, None
+    return {p: p for p in eng.module.parameters()}, opt
 
 
 def assert_loaded_exactly(got: dict, truth: dict) -> None:
@@ -171,12 +187,12 @@ def _save_worker(rank: int, dp: int, root: str, stages: list[int], precision: st
             train_step(eng, s, rank, dp)
         name = f"z{stage}" + ("" if precision == "fp32" else f"_{precision}")
         eng.save_checkpoint(f"{root}/{name}")
-        saved = full_state(eng)
+        saved, module = full_state(eng), module_state(eng)
         loss = train_step(eng, NEXT_STEP, rank, dp)
         after = full_state(eng)["params"]
         if rank == 0:
-            torch.save({"saved": saved, "loss": loss, "after": after, "module_after": module_state(eng)},
-                       f"{root}/{name}.truth.pt")
+            torch.save({"saved": saved, "module": module, "loss": loss, "after": after,
+                        "module_after": module_state(eng)}, f"{root}/{name}.truth.pt")
 
 
 def _load_worker(rank: int, dp: int, jobs: list[tuple[int, str, str]], precision: str,
@@ -185,12 +201,12 @@ def _load_worker(rank: int, dp: int, jobs: list[tuple[int, str, str]], precision
     for stage, ckpt, result in jobs:
         eng = engine(stage, dp, precision)
         eng.load_checkpoint(ckpt)
-        loaded, steps = full_state(eng), eng.global_steps
+        loaded, module, steps = full_state(eng), module_state(eng), eng.global_steps
         loss = train_step(eng, NEXT_STEP, rank, dp)
         after = full_state(eng)["params"]
         if rank == 0:
-            torch.save({"loaded": loaded, "loss": loss, "after": after, "module_after": module_state(eng),
-                        "global_steps": steps}, result)
+            torch.save({"loaded": loaded, "module": module, "loss": loss, "after": after,
+                        "module_after": module_state(eng), "global_steps": steps}, result)
 
 
 def _init(rank: int, world: int, port: int) -> None:
@@ -254,7 +270,7 @@ def hf_tokens(vocab: int, step: int) -> torch.Tensor:
 def _hf_save_worker(rank: int, dp: int, root: str, jobs: list[tuple[str, int, str]], port: int) -> None:
     """An HF model trained by DeepSpeed per ``(family, stage, precision)``, saved as the HF
     Trainer lays it out (``config.json`` beside ``latest``), with the module's logits on a
-    fixed batch."""
+    fixed batch and the fp32 masters by name."""
     import deepspeed
 
     _init(rank, dp, port)
@@ -273,12 +289,14 @@ def _hf_save_worker(rank: int, dp: int, root: str, jobs: list[tuple[str, int, st
             eng.step()
         out = f"{root}/{hf_run_name(family, stage, precision)}"
         eng.save_checkpoint(out)
+        masters = fp32_masters(eng)
         eng.eval()
         with torch.no_grad():
             logits = eng(input_ids=hf_tokens(vocab, NEXT_STEP)).logits
         if rank == 0:
             model.config.save_pretrained(out)
             torch.save(logits, f"{out}.logits.pt")
+            torch.save(masters, f"{out}.masters.pt")
 
 
 def fp32_masters(eng) -> dict:
@@ -286,7 +304,8 @@ def fp32_masters(eng) -> dict:
     :func:`full_state` it needs no optimizer state (an engine before its first step)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    return {name: safe_get_full_fp32_param(p).detach().clone()
+    masters, _ = _stage0_masters(eng)
+    return {name: (masters[p] if masters else safe_get_full_fp32_param(p)).detach().clone()
             for name, p in eng.module.named_parameters() if p.requires_grad}
 
 
@@ -359,7 +378,7 @@ def hf_run_name(family: str, stage: int, precision: str = "fp32") -> str:
 def save_hf(root: Path, jobs: list[tuple[str, int, str]], dp: int = 2) -> None:
     """``root/<hf_run_name>`` per ``(family, stage, precision)``: HF-Trainer-style DeepSpeed
     run roots, and beside each ``.logits.pt`` (the trained module's logits on
-    ``hf_tokens(vocab, NEXT_STEP)``)."""
+    ``hf_tokens(vocab, NEXT_STEP)``) and ``.masters.pt`` (:func:`fp32_masters`)."""
     _spawn(_hf_save_worker, dp, str(root), list(jobs))
 
 
