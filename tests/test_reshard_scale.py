@@ -238,3 +238,18 @@ def test_a_failed_fsync_is_an_error_and_nothing_is_committed(megatron_source, tm
         raise OSError(errno.EINVAL, "Invalid argument")
     monkeypatch.setattr(os, "fsync", unsyncable)
     assert run_cli("reshard", megatron_source, tmp_path / "ok", "--to-tp", "2", "--to-pp", "4").code == 0
+
+
+def test_every_new_directory_is_fsynced_before_the_commit(megatron_source, tmp_path, run_cli,
+                                                          monkeypatch):
+    """A rank file's directory entry lives in its own new directory (iter_*/mp_rank_*): each
+    of them is fsynced, not only the output's root, before the rename makes it visible."""
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")),
+                                                 real_fsync(fd))[1])
+    out = tmp_path / "out"
+    assert run_cli("reshard", megatron_source, out, "--to-tp", "2", "--to-pp", "4").code == 0
+    nested = {str(d.relative_to(out)) for d in out.rglob("*") if d.is_dir()}
+    assert len(nested) > 4  # iter_0000100 and its mp_rank_* directories
+    assert all(any(p.endswith("/" + d) and ".tmp-" in p for p in synced) for d in nested)

@@ -248,8 +248,9 @@ class RenameOutput(AtomicOutput):
 
     def commit(self, write_manifest) -> Store:
         write_manifest(self.store)
-        if self.final.durable:
-            _fsync_dir(self.store.root)
+        if self.final.durable:  # every new directory's entries (iter_*/mp_rank_*/...), then the rename
+            for path, _, _ in os.walk(self.store.root, topdown=False):
+                _fsync_dir(path)
         os.rename(self.store.root, self.final.root)
         if self.final.durable:
             _fsync_dir(os.path.dirname(self.final.root) or ".")
