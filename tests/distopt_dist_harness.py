@@ -15,9 +15,9 @@ the optimizer's sharded state dicts with ``is_loading=True``, the sharding type 
 checkpoint's content metadata, then ``load_state_dict`` of each) at the checkpoint's own
 topology, dumps the loaded shards and takes the same second step.
 
-Gradients are seeded per *global* parameter and sliced to this rank's TP shard, so a step
-at any topology applies the same update: the loss after it depends on the topology only
-through float rounding. The vocabulary (256) pads to itself at TP 1 and 2.
+Gradients are seeded per *global* parameter (by global layer index; the tied output layer
+as the word embedding) and sliced to this rank's TP shard, so a step at any TP/PP applies
+the same update: the loss after it depends on the topology only through float rounding. The vocabulary (256) pads to itself at TP 1 and 2.
 
 Shims: those of :mod:`tests.distopt_harness`, :func:`distopt_harness._keep_step_on_load`,
 mcore's own dummy optimizer state before loading, and :func:`_unshare_steps`.
@@ -25,6 +25,7 @@ mcore's own dummy optimizer state before loading, and :func:`_unshare_steps`.
 
 from __future__ import annotations
 
+import re
 import zlib
 from pathlib import Path
 
@@ -43,6 +44,9 @@ CASES = {
     "full": dict(BASE, tp=2, pp=1, sharding="fully_reshardable"),
     # several buckets: mcore's save shifts the state past the first bucket boundary
     "full-buckets": dict(BASE, tp=1, pp=1, overlap=True, bucket=6000, sharding="fully_reshardable"),
+    # PP2, tied embeddings: the word embedding has a bucket of its own on both stages; the
+    # first stage's other parameters fill several buckets
+    "pp2": dict(BASE, tp=1, pp=2, overlap=True, bucket=6000, sharding="dp_reshardable"),
 }
 ITERATION = 1
 
@@ -51,6 +55,15 @@ def args_of(c: dict):
     args = D.megatron_args(c)
     args.ckpt_format, args.transformer_impl = "torch_dist", "local"
     return args
+
+
+def _global_name(name: str, pp_rank: int, c: dict) -> str:
+    """A stage's local parameter name with the global layer index (stages split evenly);
+    the tied output layer is the word embedding."""
+    if c["tied"] and name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
+    first = pp_rank * (c["layers"] // c["pp"])
+    return re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + first}.", name)
 
 
 def _global_grad(name: str, p: torch.Tensor, tp: int, tp_rank: int, step: int) -> torch.Tensor:
@@ -67,10 +80,9 @@ def _global_grad(name: str, p: torch.Tensor, tp: int, tp_rank: int, step: int) -
 
 def _step(ps, ddp, opt, c: dict, step: int) -> None:
     tp, tp_rank = c["tp"], ps.get_tensor_model_parallel_rank()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
     for name, p in D._named(ddp):
-        if c["tied"] and name == "output_layer.weight":
-            name = "embedding.word_embeddings.weight"
-        p.main_grad.copy_(_global_grad(name, p, tp, tp_rank, step))
+        p.main_grad.copy_(_global_grad(_global_name(name, pp_rank, c), p, tp, tp_rank, step))
     ok, _, _ = opt.step()
     assert ok
 

@@ -26,7 +26,7 @@ from converters import megatron_distopt as distopt  # noqa: E402
 from converters import megatron_optimizer as optim  # noqa: E402
 from tests import distopt_dist_harness as H  # noqa: E402
 from tests import distopt_harness as D  # noqa: E402
-from tests.test_megatron_distopt import _global  # noqa: E402
+from tests.test_megatron_distopt import WORD, _global, _local  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def _common(path):
     return torch.load(next(path.glob("iter_*/common.pt")), weights_only=False)
 
 
-@pytest.mark.parametrize("name", ["dp2", "tp2", "full"])
+@pytest.mark.parametrize("name", ["dp2", "tp2", "full", "pp2"])
 def test_read_gives_the_optimizer_shards_bit_exact(real, name):
     opened = open_checkpoint(str(real / name))
     index = opened.index
@@ -66,6 +66,13 @@ def test_read_gives_the_optimizer_shards_bit_exact(real, name):
         (buf,) = D.truth(real, name)[0]["buffers"]
         assert len(buf["buckets"]) > 2
         assert any(len(i.pieces) > 1 for k, i in index.tensors.items() if k.startswith(optim.PREFIX))
+    if name == "pp2":  # several buckets on stage 0; the word embedding alone in one on both
+        dumps = D.truth(real, name)
+        assert len(dumps[0]["buffers"][0]["buckets"]) > 2
+        for dump in dumps:
+            (buf,) = dump["buffers"]
+            word = WORD if dump["pp"] == 0 else "output_layer.weight"
+            assert [n for n, v in buf["params"].items() if v[2] == buf["params"][word][2]] == [word]
 
 
 def test_a_wrong_layout_rule_is_caught(real, monkeypatch):
@@ -198,12 +205,41 @@ def test_reshard_loads_in_mcore_and_resumes_like_the_uninterrupted_run(real, tmp
     assert run_cli("convert", real / "tp2", legacy, "--to", "megatron").code == 0
     assert run_cli("convert", legacy, dst, "--to", "megatron-dist", "--tp", 1, "--dp", 2).code == 0
     outs[dst] = "tp2"
+    _resumes_like_the_uninterrupted_run(real, tmp_path, outs)
+
+
+def test_pipeline_reshard_loads_in_mcore_and_resumes_like_the_uninterrupted_run(real, tmp_path, run_cli):
+    """PP changes both ways, tied embeddings included (at PP2 the last stage's output layer
+    is the word embedding, with a bucket of its own on each stage): real megatron-core
+    loads each output; the next step gives the uninterrupted run's loss."""
+    targets = {"pp2-tp2": ("pp2", "--to-tp", 2, "--to-pp", 1),
+               "pp2-dp2": ("pp2", "--to-pp", 1, "--to-dp", 2),
+               "tp2-pp2": ("tp2", "--to-tp", 1, "--to-pp", 2),
+               "full-pp2": ("full", "--to-tp", 1, "--to-pp", 2)}
+    outs = {}
+    for out, (name, *flags) in targets.items():
+        dst = tmp_path / out
+        res = run_cli("reshard", real / name, dst, *flags)
+        assert res.code == 0, res.err
+        outs[dst] = name
+    _resumes_like_the_uninterrupted_run(real, tmp_path, outs)
+    for dst in (tmp_path / "tp2-pp2", tmp_path / "full-pp2"):  # the tied copies agree
+        loaded, _ = H.dumps(tmp_path / f"{dst.name}.resumed")
+        stages = _local(loaded)
+        first, last = stages[(0, 0)][WORD], stages[(0, 1)]["output_layer.weight"]
+        assert all(torch.equal(first[k], last[k]) for k in ("param", "exp_avg", "exp_avg_sq"))
+
+
+def _resumes_like_the_uninterrupted_run(real, tmp_path, outs: dict) -> None:
+    """Resume each output (``dst -> source case``) in real mcore: the loaded shards must be
+    the source's bit for bit, the losses before and after the next step the source run's."""
     H.resume(list(outs))
     for dst, name in outs.items():
         loaded, (before, after) = H.dumps(tmp_path / f"{dst.name}.resumed")
         _, (want_before, want_after) = H.dumps(real / f"{name}.truth")
         args = _common(dst)["args"]
-        assert args.tensor_model_parallel_size != H.CASES[name]["tp"]
+        assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) != \
+            (H.CASES[name]["tp"], H.CASES[name]["pp"])
         got = _global(loaded, D.case_from_args(args))
         want = _want(real, name)
         assert got.keys() == want.keys()
