@@ -30,7 +30,7 @@ from ckptool.core import VERSION
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
-from ckptool.core.layout import ModelSpec, layout, stage_layers
+from ckptool.core.layout import ModelSpec, stage_layers
 from ckptool.core.regions import Shard
 from ckptool.core.torchreader import TorchFileReader, save_target
 from ckptool.core.torchfile import Pending
@@ -231,21 +231,16 @@ class MegatronReader(TorchFileReader):
         args = index.objects["args"].value
         spec = ModelSpec(**index.model_config)
         schema = index.objects[SCHEMA_KEY].value
-        chunks: dict[str, list[distopt.Param]] = {}
-        for uname, (canonical, _, shape, dtype) in mapped.items():
-            chunk_key, name = uname.split("/", 1)
-            chunks.setdefault(chunk_key, []).append(distopt.Param(
-                uname, math.prod(shape), dtype,
-                distopt.shared_embedding(canonical, spec.tied_embeddings, topo.pp)))
-        ordered = []
-        for chunk_key, entries in chunks.items():
-            rule = sorted(entries, key=lambda p: parameter_order(schema, p.name.split("/", 1)[1]))
-            if rule != entries:
+        entries = [(uname.split("/", 1)[0], uname, canonical, math.prod(shape), dtype)
+                   for uname, (canonical, _, shape, dtype) in mapped.items()]  # the file's order
+        for chunk_key in dict.fromkeys(e[0] for e in entries):
+            names = [e[1].split("/", 1)[1] for e in entries if e[0] == chunk_key]
+            if sorted(names, key=lambda n: parameter_order(schema, n)) != names:
                 raise UnreadableInput(f"the parameters of {chunk_key} are not in the order of "
                                       "Megatron's named_parameters() that ckptool knows, which "
                                       "distrib_optim.pt follows", path=source)
-            ordered.append(entries)
-        buffers = distopt.layout(ordered, args, topo.dp, f.pp)
+        chunks = distopt.chunk_params(entries, spec.tied_embeddings, topo.pp)
+        buffers = distopt.layout(chunks, args, topo.dp, f.pp)
         keys = distopt.check_file(archive.obj, buffers, source)
         state = distopt.check_state(data.get("optimizer"), store.display(f.rel))
         for i, (buffer, key) in enumerate(zip(buffers, keys)):
@@ -388,30 +383,26 @@ class MegatronWriter(UnevenStages, Writer):
             raise UsageError("pre-mcore (legacy) names cannot express grouped-query attention here",
                              hint="Use --megatron-names mcore-local or mcore-te")
         it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)
-        stages = stage_layers(spec, topo.pp, topo.vpp)
         optim_layout = index.objects.get(OPTIMIZER_LAYOUT_KEY) if with_optimizer else None
         self._from_deepspeed = optim.deepspeed_state(index, self._schedule, with_optimizer)
         optim_layout = optim_layout.value if optim_layout else \
             self._from_deepspeed.layout if self._from_deepspeed else None
         distributed = index.objects.get(DISTOPT_KEY) if with_optimizer else None
         files = []
-        for rank in layout(spec, topo):
-            rank_path = f"{it_dir}/{rank_dir(rank.tp_rank, rank.pp_rank, topo.pp)}"
+        # the dtypes matter only to lay out the distributed optimizer's buffers
+        dtype_of = (lambda t: source_dtype(index, _key(t))) if distributed else (lambda t: None)
+        for rank in distopt.rank_params(spec, topo, schema, dtype_of):
+            rank_path = f"{it_dir}/{rank_dir(rank.tp, rank.pp, topo.pp)}"
             target = TargetFile(f"{rank_path}/{FILE}",
-                                context={"tp": rank.tp_rank, "pp": rank.pp_rank, "schema": schema,
+                                context={"tp": rank.tp, "pp": rank.pp, "schema": schema,
                                          "spec": spec, "topo": topo,
                                          "optimizer": optim_layout,
                                          "scheduler": self._from_deepspeed.scheduler
                                          if self._from_deepspeed else None,
                                          "distopt_state": distributed.value.state if distributed
                                          else None})
-            named = []
-            for t in rank.tensors:
-                layers = stages[rank.pp_rank][t.chunk]
-                name = SCHEMAS[schema].from_canonical(t.name, layers, rank.pp_rank, topo.pp, t.replica)
-                named.append((t.chunk, parameter_order(schema, name), name, t))
-            named.sort(key=lambda x: (x[0], x[1]))
-            for chunk, _, name, t in named:
+            named = rank.named()
+            for chunk, name, t in named:
                 chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
                 if optim.master_is_weight(index, optim_layout, _key(t)):
                     target.tensors.append(TargetTensor((chunk_key, name),
@@ -420,10 +411,10 @@ class MegatronWriter(UnevenStages, Writer):
                     continue
                 target.tensors.append(TargetTensor((chunk_key, name), t.shard, source_dtype(index, _key(t))))
             if distributed is not None:
-                files.append(self._distopt_file(f"{rank_path}/{DISTRIB_OPTIM}", index, named,
-                                                distributed.value, spec, topo, rank.pp_rank))
+                files.append(self._distopt_file(f"{rank_path}/{DISTRIB_OPTIM}", index, rank,
+                                                distributed.value, topo))
             if optim_layout is not None:
-                for chunk, _, name, t in named:
+                for chunk, name, t in named:
                     chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
                     for kind in optim.state_kinds(optim_layout):
                         key = optim.state_key(kind, _key(t))
@@ -433,22 +424,14 @@ class MegatronWriter(UnevenStages, Writer):
             files.append(target)
         return files
 
-    def _distopt_file(self, path: str, index: CheckpointIndex, named: list, meta: distopt.Meta,
-                      spec: ModelSpec, topo: Topology, pp_rank: int) -> TargetFile:
+    def _distopt_file(self, path: str, index: CheckpointIndex, rank: distopt.RankParams,
+                      meta: distopt.Meta, topo: Topology) -> TargetFile:
         """The distrib_optim.pt of one target rank: the source's optimizer vectors, laid out
-        by Megatron's buffer rule for the target's parameters (``named``, in
-        named_parameters() order); the gaps between parameters are zeros, as Megatron's."""
-        chunks: dict[int, list[distopt.Param]] = {}
-        shards = {}
-        for chunk, _, name, t in named:
-            uname = f"{chunk}/{name}"
-            shards[uname] = t.shard
-            chunks.setdefault(chunk, []).append(distopt.Param(
-                uname, math.prod(t.shard.shape), source_dtype(index, _key(t)),
-                distopt.shared_embedding(t.name, spec.tied_embeddings, topo.pp)))
+        by Megatron's buffer rule for the target's parameters; the gaps between parameters
+        are zeros, as Megatron's."""
         args = index.objects["args"].value
         try:
-            buffers = distopt.layout(list(chunks.values()), args, topo.dp, pp_rank)
+            buffers = distopt.layout(rank.chunks, args, topo.dp, rank.pp)
         except UnreadableInput as exc:
             raise UsageError(f"cannot lay out distrib_optim.pt for the target: {exc.message}",
                              path=index.url, hint=distopt.HINT) from None
@@ -457,7 +440,7 @@ class MegatronWriter(UnevenStages, Writer):
             raise UsageError(f"the source's distrib_optim.pt has no grad buffer of {unknown} "
                              "parameters to take the buffer's key from", path=index.url,
                              hint=distopt.HINT)
-        if pp_rank == 0:
+        if rank.pp == 0:
             size = buffers[0].bucket_size
             self._layout_note = (
                 f"distrib_optim.pt is laid out for DDP buckets of "
@@ -470,7 +453,7 @@ class MegatronWriter(UnevenStages, Writer):
             for kind, file_key in distopt.FILE_KEYS.items():
                 parts = sorted(((offset + off, replace(r, key=optim.state_key(kind, r.key)))
                                 for uname, offset in buffer.offsets.items()
-                                for off, r in shards[uname].parts), key=lambda x: x[0])
+                                for off, r in rank.tensors[uname].shard.parts), key=lambda x: x[0])
                 target.tensors.append(TargetTensor((DISTOPT_PATH, i, file_key),
                                                    Shard((buffer.numel_unpadded,), tuple(parts)),
                                                    torch.float32))

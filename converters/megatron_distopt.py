@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
@@ -101,7 +101,11 @@ class RankParams:
     """Each model chunk's parameters in named_parameters() order; ``Param.name`` is
     ``"<chunk>/<local name>"``."""
     tensors: dict[str, LocalTensor]
-    """``Param.name`` -> the layout's local tensor (its canonical regions)."""
+    """``Param.name`` -> the layout's local tensor (its canonical regions), in the same order."""
+
+    def named(self) -> list[tuple[int, str, LocalTensor]]:
+        """``(chunk, local name, local tensor)`` of every parameter, in named_parameters() order."""
+        return [(t.chunk, name.split("/", 1)[1], t) for name, t in self.tensors.items()]
 
 
 def rank_params(spec: ModelSpec, topo: Topology, schema: str,
@@ -117,14 +121,23 @@ def rank_params(spec: ModelSpec, topo: Topology, schema: str,
             name = SCHEMAS[schema].from_canonical(t.name, layers, rank.pp_rank, topo.pp, t.replica)
             named.append((t.chunk, parameter_order(schema, name), f"{t.chunk}/{name}", t))
         named.sort(key=lambda x: (x[0], x[1]))
-        chunks: dict[int, list[Param]] = {}
-        for chunk, _, uname, t in named:
-            chunks.setdefault(chunk, []).append(Param(
-                uname, math.prod(t.shard.shape), dtype_of(t),
-                shared_embedding(t.name, spec.tied_embeddings, topo.pp)))
-        out.append(RankParams(rank.tp_rank, rank.pp_rank, list(chunks.values()),
-                              {uname: t for _, _, uname, t in named}))
+        chunks = chunk_params(((chunk, uname, t.name, math.prod(t.shard.shape), dtype_of(t))
+                               for chunk, _, uname, t in named), spec.tied_embeddings, topo.pp)
+        tensors = {uname: t for _, _, uname, t in named}
+        assert len(tensors) == len(named), "a schema gives two parameters of a rank one name"
+        out.append(RankParams(rank.tp_rank, rank.pp_rank, chunks, tensors))
     return out
+
+
+def chunk_params(entries: Iterable[tuple[Hashable, str, str, int, torch.dtype]], tied: bool,
+                 pp: int) -> list[list[Param]]:
+    """Each model chunk's parameters, from ``(chunk, name, canonical name, numel, dtype)``
+    in named_parameters() order, chunk after chunk."""
+    chunks: dict[Hashable, list[Param]] = {}
+    for chunk, name, canonical, numel, dtype in entries:
+        chunks.setdefault(chunk, []).append(
+            Param(name, numel, dtype, shared_embedding(canonical, tied, pp)))
+    return list(chunks.values())
 
 
 def shared_embedding(canonical: str, tied: bool, pp: int) -> bool:

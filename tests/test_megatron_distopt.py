@@ -171,13 +171,16 @@ def test_reshard_writes_distrib_optim_that_mcore_loads(real, tmp_path, run_cli):
         _same(_global(loaded, H.case_from_args(args)), want, rows=H.CASES[name]["vocab"])
 
 
-def _copy_with(real, tmp_path, edit_args=None, edit_file=None):
+def _copy_with(real, tmp_path, edit_args=None, edit_file=None, edit_state=None):
     src = tmp_path / "src"
     shutil.copytree(real / "odd", src)
     for f in src.rglob("model_optim_rng.pt"):
-        if edit_args:
+        if edit_args or edit_state:
             state = torch.load(f, weights_only=False)
-            edit_args(state["args"])
+            if edit_args:
+                edit_args(state["args"])
+            if edit_state:
+                edit_state(state)
             torch.save(state, f)
         if edit_file:
             g = f.parent / "distrib_optim.pt"
@@ -187,6 +190,10 @@ def _copy_with(real, tmp_path, edit_args=None, edit_file=None):
 
 def _forget_bucketing(args):
     del args.overlap_grad_reduce, args.ddp_bucket_size
+
+
+def _word_embedding_last(state):
+    state["model"][WORD] = state["model"].pop(WORD)
 
 
 def _expert_parallel(state):
@@ -214,7 +221,9 @@ def _wrong_size(state):
     (dict(edit_file=_pre_2024), "distrib_optim.pt is in the pre-2024 per-bucket format"),
     (dict(edit_file=_wrong_size), "grad buffer 0 of distrib_optim.pt holds 52000 elements, "
      "Megatron's layout rule gives 51936"),
-], ids=["unknown-buckets", "expert-parallel", "pre-2024", "wrong-size"])
+    (dict(edit_state=_word_embedding_last), "the parameters of model are not in the order of "
+     "Megatron's named_parameters() that ckptool knows"),
+], ids=["unknown-buckets", "expert-parallel", "pre-2024", "wrong-size", "other-order"])
 def test_unmappable_state_is_refused_before_writing(real, tmp_path, run_cli, edit, message):
     src = _copy_with(real, tmp_path, **edit)
     dst = tmp_path / "out"
