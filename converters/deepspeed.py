@@ -611,7 +611,7 @@ class DeepSpeedWriter(Writer):
                 if topo.zero == 0 and name in layout.trainable and not masters else name
             target.tensors.append(TargetTensor(("module", name), Shard.of(
                 Region.whole(key, index.tensors[name].shape)),
-                dtype if masters and name in layout.trainable else index.tensors[name].dtype))
+                dtype if name in layout.trainable else index.tensors[name].dtype))
         if topo.zero == 0 and self._with_optimizer and \
                 state_key("exp_avg", next(iter(layout.trainable), "")) in index.tensors:
             for name, shape in (p for group in layout.groups for p in group):

@@ -190,3 +190,18 @@ def test_what_is_not_written_is_refused_with_the_reason(ds, run_cli, tmp_path, e
     res = run_cli(verb, src, tmp_path / "out", *flags)
     assert res.code == 2 and message in res.err, res.err
     assert len(res.err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_a_zero3_source_written_to_zero2_keeps_the_bf16_module(ds, tmp_path, run_cli):
+    """ZeRO-3 files hold no module weights, only the fp32 masters: written to ZeRO-2, the
+    module takes the engine's dtype (bf16, each master rounded as DeepSpeed rounds it), as
+    DeepSpeed's own ZeRO-2 file of the same run does, not fp32 at twice the size."""
+    assert run_cli("reshard", ds / "z3_bf16", tmp_path / "z2", "--to-zero", "2").code == 0
+    own = torch.load(next((ds / "z2_bf16").rglob("mp_rank_00_model_states.pt")), weights_only=False)
+    ours = torch.load(next((tmp_path / "z2").rglob("mp_rank_00_model_states.pt")), weights_only=False)
+    assert {k: v.dtype for k, v in ours["module"].items()} == \
+        {k: v.dtype for k, v in own["module"].items()}
+    assert any(v.dtype == torch.bfloat16 for v in ours["module"].values())
+    masters = torch.load(ds / "z3_bf16.truth.pt", weights_only=False)["saved"]["params"]
+    for name, master in masters.items():
+        assert torch.equal(ours["module"][name], master.to(torch.bfloat16)), name
