@@ -124,6 +124,7 @@ def inspect(ckpt: str, top: int, as_json: bool, quiet: bool):
         lines.append(f"  model       {cfg}")
     if res.bytes_by_dtype:
         lines.append("  by dtype    " + ", ".join(f"{k} {_size(v)}" for k, v in res.bytes_by_dtype.items()))
+    lines.append(f"  optimizer   {res.optimizer or 'none'}")
     if res.largest:
         lines.append("  largest tensors:")
         width = max(len(t.key) for t in res.largest)

@@ -161,6 +161,8 @@ def test_unmappable_state_is_refused_with_the_reason(real, tmp_path, run_cli, ed
     res = run_cli("reshard", src, dst, "--to-tp", 2, "--to-dp", 1)
     assert res.code == 2 and message in res.err and "--drop-optimizer" in res.err, res.err
     assert "Traceback" not in res.err and not dst.exists()
+    shown = run_cli("inspect", src)  # inspect says the same, before anyone tries
+    assert shown.code == 0 and "optimizer   not mapped to parameters:" in shown.out and message in shown.out
     res = run_cli("reshard", src, dst, "--to-tp", 2, "--to-dp", 1, "--drop-optimizer")
     assert res.code == 0, res.err
     assert "optimizer" not in _common(dst)

@@ -33,10 +33,31 @@ class InspectResult:
     bytes_by_dtype: dict[str, int]
     largest: list[TensorSummary] = field(default_factory=list)
     objects: list[str] = field(default_factory=list)
+    optimizer: str | None = None
+    """The optimizer state it holds, mapped to parameters, or why it cannot be (then no
+    writer carries it); None when it holds none."""
 
 
 def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+OPTIMIZER_PREFIX = "optimizer.state."
+
+
+def _optimizer(index) -> str | None:
+    """One line on the optimizer state: the kinds held per parameter, or why they cannot be
+    mapped (the reason every writer would give)."""
+    if index.unmapped:
+        return f"not mapped to parameters: {index.unmapped} (reshard/convert need --drop-optimizer)"
+    kinds: dict[str, int] = {}
+    for key in index.tensors:
+        if key.startswith(OPTIMIZER_PREFIX):
+            kind = key[len(OPTIMIZER_PREFIX):].partition(".")[0]
+            kinds[kind] = kinds.get(kind, 0) + 1
+    if not kinds:
+        return None
+    return ", ".join(f"{kind} of {n} parameters" for kind, n in sorted(kinds.items()))
 
 
 def inspect(url: str, *, top: int = 10) -> InspectResult:
@@ -57,4 +78,4 @@ def inspect(url: str, *, top: int = 10) -> InspectResult:
         bytes_by_dtype=dict(sorted(by_dtype.items(), key=lambda kv: -kv[1])),
         largest=[TensorSummary(t.key, list(t.shape), _dtype_name(t.dtype), t.nbytes, len(t.pieces))
                  for t in largest],
-        objects=sorted(index.objects))
+        objects=sorted(index.objects), optimizer=_optimizer(index))
