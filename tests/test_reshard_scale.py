@@ -253,3 +253,4 @@ def test_every_new_directory_is_fsynced_before_the_commit(megatron_source, tmp_p
     nested = {str(d.relative_to(out)) for d in out.rglob("*") if d.is_dir()}
     assert len(nested) > 4  # iter_0000100 and its mp_rank_* directories
     assert all(any(p.endswith("/" + d) and ".tmp-" in p for p in synced) for d in nested)
+    assert any(p.endswith("/latest_checkpointed_iteration.txt") for p in synced)  # small files too
