@@ -192,7 +192,7 @@ def read_sharded_common(optimizer: Any, source: str) -> Layout:
     if "param_state_sharding_type" in optimizer:
         raise UnreadableInput(
             f"Megatron-Core distributed-optimizer state ({optimizer['param_state_sharding_type']!r} "
-            "sharding) is not read yet; only the non-distributed optimizer's model-shaped state is",
+            "sharding) is read from torch_dist checkpoints only, not from this backend",
             path=source)
     fp16 = isinstance(optimizer.get("optimizer"), dict)
     inner = optimizer["optimizer"] if fp16 else optimizer
