@@ -186,6 +186,16 @@ def test_source_runs_stream_by_in_kernel_copy_with_the_same_bytes(megatron_sourc
     total = sum(f.stat().st_size for f in (tmp_path / "copied").rglob("*.pt"))
     assert sum(copied) > total / 2  # most of the bytes never passed through user memory
 
+    import mmap
+
+    def unmappable(*a, **k):
+        raise OSError(19, "No such device")  # a filesystem that cannot map: hashed by reads
+    with monkeypatch.context() as m:
+        m.setattr(mmap, "mmap", unmappable)
+        assert run_cli("reshard", megatron_source, tmp_path / "read-hashed", *args).code == 0
+    assert _files(tmp_path / "read-hashed") == _files(tmp_path / "copied")
+    assert run_cli("verify", "--deep", tmp_path / "read-hashed").code == 0
+
     def refuse(*a):
         raise OSError(18, "Invalid cross-device link")
     monkeypatch.setattr(os, "copy_file_range", refuse)

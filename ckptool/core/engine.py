@@ -8,7 +8,6 @@ overlapping elements. It never imports a format.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -18,6 +17,7 @@ import torch
 from ckptool.core.errors import BadCheckpoint
 from ckptool.core.index import CheckpointIndex, Piece
 from ckptool.core.regions import Shard, byte_runs, plan_copies
+from ckptool.core.storage import pread_blocks
 
 
 @dataclass(slots=True)
@@ -154,9 +154,9 @@ target's dtype (``Reader.file_span``); None otherwise."""
 
 @dataclass(slots=True)
 class FileSpans:
-    """A target tensor whose bytes are runs of local source files, in order: it is streamed
-    from the page cache through a small buffer instead of being filled in memory first
-    (one pass over memory, where filling, hashing and writing a buffer take three)."""
+    """A target tensor whose bytes are runs of local source files, in order: it is copied in
+    the kernel where the output allows (else through a small buffer) instead of being
+    filled in memory first, then hashed and written."""
 
     dtype: torch.dtype
     numel: int
@@ -181,12 +181,11 @@ class FileSpans:
         if buf is None:
             buf = self._buffers.buf = memoryview(bytearray(self.CHUNK))
         done = 0
-        while done < count:
-            n = os.preadv(fd, [buf[:min(self.CHUNK, count - done)]], offset + done)
-            if n <= 0:
-                raise BadCheckpoint("file is truncated", path=self.source)
-            write(buf[:n])
-            done += n
+        for block in pread_blocks(fd, offset, count, buf):
+            write(block)
+            done += len(block)
+        if done < count:
+            raise BadCheckpoint("file is truncated", path=self.source)
 
 
 def file_spans(t: TargetTensor, index: CheckpointIndex, span_of: FileSpan) -> FileSpans | None:

@@ -21,7 +21,7 @@ import xxhash
 
 from ckptool.core import VERSION
 from ckptool.core.errors import BadCheckpoint
-from ckptool.core.storage import Store, fsync, write_file_atomically
+from ckptool.core.storage import Store, fsync, pread_blocks, write_file_atomically
 
 MANIFEST = "ckptool.json"
 MANIFEST_VERSION = 1
@@ -117,9 +117,7 @@ class HashingWriter:
         self._raw.write(data)
         self._hash.update(data)
         n = memoryview(data).nbytes
-        self.size += n
-        if self._fd is not None and self.size - self._flushed >= self.WRITEBACK:
-            self._writeback()
+        self._grew(n)
         return n
 
     def copy_from(self, fd: int, offset: int, count: int) -> int:
@@ -144,9 +142,7 @@ class HashingWriter:
         if done:
             self._raw.seek(0, os.SEEK_END)  # the buffered writer follows the fd's new offset
             self._hash_file(fd, offset, done)
-            self.size += done
-            if self._fd is not None and self.size - self._flushed >= self.WRITEBACK:
-                self._writeback()
+            self._grew(done)
         return done
 
     def _hash_file(self, fd: int, offset: int, count: int) -> None:
@@ -162,13 +158,17 @@ class HashingWriter:
             with m, memoryview(m) as view, view[offset - start:] as part:
                 self._hash.update(part)
             return
-        buf, done = memoryview(bytearray(min(count, 8 << 20))), 0
-        while done < count:
-            n = os.preadv(fd, [buf[:min(len(buf), count - done)]], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, "a source file changed while it was copied")
-            self._hash.update(buf[:n])
-            done += n
+        done = 0
+        for block in pread_blocks(fd, offset, count, memoryview(bytearray(min(count, 8 << 20)))):
+            self._hash.update(block)
+            done += len(block)
+        if done < count:
+            raise OSError(errno.EIO, "a source file changed while it was copied")
+
+    def _grew(self, n: int) -> None:
+        self.size += n
+        if self._fd is not None and self.size - self._flushed >= self.WRITEBACK:
+            self._writeback()
 
     def _writeback(self) -> None:
         try:
@@ -204,13 +204,19 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
     """(size, xxh3-128 hex) of one file, streamed in large blocks."""
     h = xxhash.xxh3_128()
     size = 0
+    mapped = None
     if store.is_local:
         # Hash straight from the page cache through mmap: one pass over memory, no copy,
-        # which is faster than `cat` reading the same file.
+        # which is faster than `cat` reading the same file (a filesystem that cannot map is
+        # read in blocks, below).
         with open(store.path(rel), "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if size:
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            try:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+            except (OSError, ValueError):
+                mapped = None
+            if mapped is not None:
+                with mapped as m:
                     if hasattr(m, "madvise"):
                         m.madvise(mmap.MADV_SEQUENTIAL)
                     with memoryview(m) as view:
@@ -220,7 +226,8 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
                             if progress:
                                 progress(len(block))
                             block.release()
-    else:
+    if not store.is_local or (mapped is None and size):
+        size = 0
         with store.open_file(rel, "rb", block_size=_BLOCK) as f:
             while chunk := f.read(_BLOCK):
                 h.update(chunk)

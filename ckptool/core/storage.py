@@ -316,6 +316,18 @@ def write_file_atomically(store: Store, rel: str, data: bytes) -> None:
         store.write_bytes(rel, data)  # a single PUT is atomic on object stores
 
 
+def pread_blocks(fd: int, offset: int, count: int, buf: memoryview):
+    """The ``count`` bytes of local file ``fd`` from ``offset``, read into ``buf`` block by
+    block (each yielded view is valid until the next); stops early at the file's end."""
+    done = 0
+    while done < count:
+        n = os.preadv(fd, [buf[:min(len(buf), count - done)]], offset + done)
+        if n <= 0:
+            return
+        yield buf[:n]
+        done += n
+
+
 _CANNOT_SYNC = {errno.EINVAL, errno.EROFS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF}
 """fsync errors of descriptors that cannot be synced (a pipe, a read-only or special
 filesystem): nothing to wait for. Any other error (EIO, ENOSPC...) means the data may not
