@@ -11,9 +11,10 @@ import re
 from dataclasses import dataclass
 
 import converters
-from ckptool.core.errors import UnknownFormat
+from ckptool.core.errors import CkptoolError, UnknownFormat
 from ckptool.core.index import CheckpointIndex, Reader
 from ckptool.core.manifest import Manifest, read_manifest
+from ckptool.core.safe_pickle import trusted
 from ckptool.core.storage import Store, is_temporary
 from ckptool.core.topology import Topology
 
@@ -106,6 +107,29 @@ class Opened:
         return Opened(self.store, self.format, self.reader, self.manifest, stored)
 
 
+def unsafe_pickles(opened: Opened) -> list:
+    """Every pickled entry of the checkpoint that names a global outside the allowlist:
+    what its reader met while indexing, and every stored object, read once through the
+    one unpickler (markers stand in for what is refused; nothing is run)."""
+    for obj in opened.index.objects.values():
+        if obj.location is not None:
+            opened.reader.read_object(opened.store, obj)
+    return opened.reader.unsafe_pickles()
+
+
+def require_safe_pickles(opened: Opened) -> None:
+    """Refuse a source with pickles outside the allowlist, before anything is written (with
+    ``--trust-pickle`` they were loaded for real, and are pickled again from the objects)."""
+    if trusted():
+        return
+    found = unsafe_pickles(opened)
+    if found:
+        error = found[0].error()
+        if len(found) > 1:
+            error.message += f" (and {len(found) - 1} more entries)"
+        raise error
+
+
 def merge_manifest(index: CheckpointIndex, manifest: Manifest | None) -> CheckpointIndex:
     """Fill what the format itself does not record from the manifest."""
     if manifest is None:
@@ -130,5 +154,17 @@ def open_checkpoint(url: str | Store, **reader_options) -> Opened:
     options = {k: v for k, v in reader_options.items() if v is not None}
     if options:
         reader.configure(**options)
-    index = merge_manifest(reader.read_index(store), manifest)
+    index = merge_manifest(read_index(reader, store), manifest)
     return Opened(store, fmt, reader, manifest, index)
+
+
+def read_index(reader: Reader, store: Store) -> CheckpointIndex:
+    """``reader.read_index(store)``; when it fails where a pickle was refused (an ``args``
+    that is a call of ``os.system`` is no Namespace), the refused pickle is the error."""
+    try:
+        return reader.read_index(store)
+    except CkptoolError:
+        found = [] if trusted() else reader.unsafe_pickles()
+        if found:
+            raise found[0].error() from None
+        raise

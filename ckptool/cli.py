@@ -59,7 +59,17 @@ def _plain(obj: Any) -> Any:
     return str(obj)
 
 
+def _trust(ctx, param, value):
+    if value:
+        from ckptool.core.safe_pickle import trust_pickle
+
+        trust_pickle(True)
+
+
 def _output_options(f):
+    f = click.option("--trust-pickle", is_flag=True, expose_value=False, callback=_trust,
+                     help="Load pickles that name classes outside the allowlist (runs their code: "
+                          "only for files you trust).")(f)
     f = click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")(f)
     f = click.option("--json", "as_json", is_flag=True,
                      help="Print one JSON document on stdout.")(f)
@@ -131,6 +141,8 @@ def inspect(ckpt: str, top: int, as_json: bool, quiet: bool):
         for t in res.largest:
             lines.append(f"    {t.key:<{width}}  {t.dtype:<8} {str(t.shape):<18} {_size(t.bytes):>10}"
                          f"  {t.pieces} piece(s)")
+    for w in res.warnings:
+        out.note(f"warning: {w}")
     out.result(res, "\n".join(lines))
 
 

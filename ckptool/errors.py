@@ -3,8 +3,11 @@
 from ckptool.core.errors import (
     BadCheckpoint,
     CkptoolError,
+    DanglingPointer,
     NoCheckpoint,
     NotCommitted,
+    NotRegularFile,
+    PathEscape,
     TopologyError,
     UnknownFormat,
     UnreadableInput,
@@ -13,5 +16,5 @@ from ckptool.core.errors import (
     UsageError,
 )
 
-__all__ = ["BadCheckpoint", "CkptoolError", "NoCheckpoint", "NotCommitted", "TopologyError",
+__all__ = ["BadCheckpoint", "CkptoolError", "DanglingPointer", "NoCheckpoint", "NotCommitted", "NotRegularFile", "PathEscape", "TopologyError",
            "UnknownFormat", "UnreadableInput", "UnsafePickle", "UnsupportedFormat", "UsageError"]

@@ -12,8 +12,7 @@ from __future__ import annotations
 import re
 import uuid
 
-from ckptool.core.dcpfile import (METADATA, SAVE_ID_MARK, DcpContainerReader, read_location,
-                                  read_metadata)
+from ckptool.core.dcpfile import METADATA, SAVE_ID_MARK, DcpContainerReader, read_metadata
 from ckptool.core.dcpwrite import DcpFileWriter, RecordedFiles, write_metadata
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.index import CheckpointIndex, Writer
@@ -44,7 +43,8 @@ class DcpReader(DcpContainerReader):
 class DcpWriter(RecordedFiles, Writer):
     """Regroups a DCP checkpoint for a new world size W = TP x PP x DP: every tensor is cut
     along dim 0 into W row blocks (as ``torch.chunk``), block r goes to ``__r_0.distcp``,
-    so each target rank reads one file. Non-tensor entries are copied byte for byte."""
+    so each target rank reads one file. Non-tensor entries are read through the one
+    unpickler and pickled again (never copied raw: a hostile pickle cannot pass)."""
 
     name = NAME
 
@@ -82,8 +82,8 @@ class DcpWriter(RecordedFiles, Writer):
                 w.add_chunk(key, offsets, lengths, produce(t).reshape(lengths))
             if target.context["rank"] == 0:
                 for key, obj in index.objects.items():
-                    if obj.location is not None:
-                        w.add_bytes(key, read_location(self._source.store, obj.location))
+                    if obj.location is not None:  # re-pickled from what was read, never copied raw
+                        w.add_object(key, self._source.reader.read_object(self._source.store, obj))
         self._remember(target.path, w)
         return w.digest
 

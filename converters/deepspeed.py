@@ -41,7 +41,8 @@ from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, TopologyError, UnreadableInput, UsageError
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
 from ckptool.core.regions import Region, Shard
-from ckptool.core.storage import Store
+from ckptool.core.safe_pickle import record_class
+from ckptool.core.storage import Store, pointed_dir
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending, TensorRef
 from ckptool.core.torchreader import save_target
@@ -79,10 +80,9 @@ def _tag(store: Store) -> str:
     the newest ``global_step*``."""
     if _has_model_states(store):
         return ""
-    if store.exists(LATEST) and not store.isdir(LATEST):
-        tag = store.read_bytes(LATEST).decode(errors="replace").strip()
-        if tag and "/" not in tag and store.isdir(tag):
-            return tag
+    tag = pointed_dir(store, LATEST)
+    if tag is not None:
+        return tag
     steps = sorted((int(m.group(1)), n) for n, d in store.ls() if d and (m := _STEP_DIR.match(n)))
     if steps:
         return steps[-1][1]
@@ -98,11 +98,8 @@ class DeepSpeedReader(ZeroReader):
             return False  # universal
         if _has_model_states(store):
             return True
-        if store.exists(LATEST) and not store.isdir(LATEST):
-            tag = store.read_bytes(LATEST).decode(errors="replace").strip()
-            return bool(tag) and "/" not in tag and _has_model_states(store, tag) \
-                and not store.isdir(f"{tag}/zero")
-        return False
+        tag = pointed_dir(store, LATEST)  # a `latest` naming a missing tag is refused here
+        return tag is not None and _has_model_states(store, tag) and not store.isdir(f"{tag}/zero")
 
     def read_index(self, store: Store) -> CheckpointIndex:
         tag = _tag(store)
@@ -431,9 +428,7 @@ def _unique_subsequence(want: list, pool: list) -> list[int] | None:
 def _loss_scaler(scale: float = 1.0):
     """DeepSpeed's static ``LossScaler(scale)`` (1 for fp32 and bf16 engines), which ZeRO files
     carry (never imported: pickled under its name)."""
-    from ckptool.core.torchfile import _opaque_class
-
-    cls = _opaque_class("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+    cls = record_class("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
     scaler = cls.__new__(cls)
     scaler.__setstate__({"cur_scale": scale, "dynamic": False})
     return scaler

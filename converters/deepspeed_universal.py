@@ -44,7 +44,7 @@ from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, TopologyError, UnreadableInput, UsageError
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
 from ckptool.core.regions import Region, Shard
-from ckptool.core.storage import Store
+from ckptool.core.storage import Store, pointed_dir
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending, TensorRef
 from ckptool.core.torchreader import save_target
@@ -68,10 +68,9 @@ def _tag(store: Store) -> str:
     """The directory (relative) that holds ``zero/``: the store itself or ``latest_universal``'s tag."""
     if store.isdir(ZERO):
         return ""
-    if store.exists(LATEST_UNIVERSAL) and not store.isdir(LATEST_UNIVERSAL):
-        tag = store.read_bytes(LATEST_UNIVERSAL).decode(errors="replace").strip()
-        if tag and "/" not in tag and store.isdir(f"{tag}/{ZERO}"):
-            return tag
+    tag = pointed_dir(store, LATEST_UNIVERSAL)
+    if tag is not None and store.isdir(f"{tag}/{ZERO}"):
+        return tag
     raise UnreadableInput("no DeepSpeed universal checkpoint (zero/ directory) found", path=store.url)
 
 

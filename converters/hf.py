@@ -99,16 +99,19 @@ class HfReader(Reader):
             raise BadCheckpoint(f"{len(view.missing)} tensors of a {family} model are missing, e.g. "
                                 f"{', '.join(view.missing[:3])}", path=store.url)
         stored.objects[CONFIG_KEY] = view.index.objects[CONFIG_KEY] = ObjectInfo(CONFIG_KEY, value=config)
-        stored.objects[FAMILY_KEY] = ObjectInfo(FAMILY_KEY, value=family)
+        stored.objects[FAMILY_KEY] = view.index.objects[FAMILY_KEY] = ObjectInfo(FAMILY_KEY, value=family)
         return stored, view.index, table
 
     def _weight_map(self, store: Store) -> dict[str, str]:
         if store.exists(INDEX):
             try:
-                return dict(json.loads(store.read_bytes(INDEX))["weight_map"])
-            except (ValueError, KeyError, TypeError):
+                weight_map = dict(json.loads(store.read_bytes(INDEX))["weight_map"])
+            except (ValueError, KeyError, TypeError, RecursionError):
                 raise BadCheckpoint("model.safetensors.index.json has no weight_map",
                                     path=store.display(INDEX)) from None
+            for name, file in weight_map.items():  # every file it names stays inside
+                store.contained(file, named_by=INDEX, key=name)
+            return weight_map
         if store.exists(SINGLE):
             return {name: SINGLE for name in self._entries(store, SINGLE)}
         raise UnreadableInput("only safetensors weights are read (pytorch_model.bin is a pickle)",
@@ -212,7 +215,7 @@ class HfWriter(Writer):
 
     def plan(self, index: CheckpointIndex, topo: Topology, spec: ModelSpec, schema: str,
              with_optimizer: bool = True) -> list[TargetFile]:
-        family = self.model_family or family_of(spec)
+        family = family_of(spec, self.model_family)
         self._family, self._spec = family, spec
         tensors = hf_tensors(spec, family, self._vocab)
         self._dtype = self.dtype or index.model_dtype or _common_dtype(index, tensors)

@@ -65,8 +65,25 @@ def _qkv_blocks(spec: ModelSpec, which: str, grouped_output: bool) -> list[tuple
     return [(g * group_rows + first, count) for g in range(ng)]
 
 
-def family_of(spec: ModelSpec) -> str:
-    """The HF family that can express ``spec``, or a UsageError naming what does not fit."""
+_TRAITS = {"llama": "RMSNorm, SwiGLU and rotary positions",
+           "gpt2": "LayerNorm, GELU and learned positions"}
+
+
+def family_of(spec: ModelSpec, named: str | None = None) -> str:
+    """The HF family that can express ``spec``, or a UsageError naming what does not fit.
+
+    ``named`` (``--model-family`` for an hf output) must be that family: the schema of the
+    output is the model's, so a name that contradicts it is refused with the model's traits
+    rather than written as a model that would not load (or would compute something else)."""
+    fits = _family_fit(spec)
+    if named is not None and named != fits:
+        raise UsageError(f"--model-family {named} does not fit the model: it has {_TRAITS[fits]}; "
+                         f"it is {fits}, not {named}",
+                         hint=f"Pass --model-family {fits}, or leave it out")
+    return fits
+
+
+def _family_fit(spec: ModelSpec) -> str:
     if spec.swiglu and spec.normalization == "RMSNorm" and not spec.learned_positions \
             and not spec.add_bias:
         return "llama"
@@ -228,6 +245,161 @@ def family_of_config(config: dict, given: str | None, where: str) -> str:
     return family
 
 
+# --------------------------------------------------------------------------- config fidelity
+#
+# One rule for every HF config field, whatever the path (hf, deepspeed with HF names, an HF
+# --model-config): the field is carried to the output, or it does not change what the weights
+# compute, or the conversion is refused before anything is written. What each field is:
+#
+# * mapped: read into the ModelSpec, which every output carries (Megatron args, manifest...);
+#   only the values the spec can express are accepted;
+# * schema: the family's tensor table and config_for assume one value (no bias tensors, SiLU):
+#   any other value is refused whatever the output, since even config.json would be rewritten;
+# * default: changes the math unless it has its no-op value; an output that keeps config.json
+#   fields as they are (KEEPS_CONFIG) carries any value;
+# * neutral (_NEUTRAL): token ids, caching, dtype, dropout... never change what the model computes;
+# * anything else is unknown: carried only by an output that keeps config.json as it is.
+
+KEEPS_CONFIG = {"deepspeed": "whole", "hf": "unset"}
+"""Outputs that keep the source's config.json fields. ``deepspeed`` writes the file itself
+beside ``latest``; ``hf`` keeps every field :func:`config_for` does not set, when the source's
+``model_type`` is the one it writes (a Mistral source becomes a llama config, in which a
+Mistral-only field means nothing). Every other output carries the ModelSpec alone."""
+
+_WRITTEN_TYPE = {"llama": "llama", "gpt2": "gpt2"}
+"""The model_type config_for writes for each family."""
+
+_NEUTRAL = frozenset({
+    "architectures", "model_type", "_name_or_path", "transformers_version", "torch_dtype",
+    "dtype", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
+    "decoder_start_token_id", "initializer_range", "initializer_factor", "output_attentions",
+    "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type",
+    "tokenizer_class", "task_specific_params", "prefix", "_attn_implementation",
+    "attn_implementation", "chunk_size_feed_forward", "max_length", "min_length", "do_sample",
+    "temperature", "top_k", "top_p", "num_beams", "repetition_penalty", "length_penalty",
+    "no_repeat_ngram_size", "early_stopping", "num_return_sequences",
+    # GPT-2: the sequence-summary head of GPT2DoubleHeadsModel (not a causal LM's); n_ctx is
+    # unused by transformers; reorder_and_upcast_attn computes the same softmax in fp32
+    "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels",
+    "summary_first_dropout", "n_ctx", "reorder_and_upcast_attn",
+    # Llama: pretraining_tp > 1 slices the same matmuls and sums them (the same math)
+    "pretraining_tp",
+})
+"""Fields that never change what the weights compute (dropout probabilities too, by name)."""
+
+
+def _any(value, config) -> bool:
+    return True
+
+
+def _off(value, config) -> bool:
+    return value in (None, False)
+
+
+def _plain_rope(value, config) -> bool:
+    """No RoPE scaling: null, or the default type with at most theta (and a full rotary dim)."""
+    if value is None:
+        return True
+    if not isinstance(value, dict) or value.get("rope_type", value.get("type")) not in (None, "default"):
+        return False
+    return all(k in ("rope_type", "type", "rope_theta") or
+               (k == "partial_rotary_factor" and value[k] in (None, 1)) for k in value)
+
+
+def _no_window(value, config) -> bool:
+    return value is None or config.get("use_sliding_window") is False
+
+
+def _full_attention(value, config) -> bool:
+    return value is None or (isinstance(value, list) and all(t == "full_attention" for t in value))
+
+
+_MAPPED_LLAMA = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                 "vocab_size", "intermediate_size", "head_dim", "tie_word_embeddings",
+                 "max_position_embeddings", "rms_norm_eps", "rope_theta")
+_MAPPED_GPT2 = ("n_layer", "n_embd", "n_head", "vocab_size", "n_inner", "n_positions",
+                "layer_norm_epsilon")
+_GPT2_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
+"""What spec_from_config maps: erf GELU, and the tanh approximation (Megatron --openai-gelu)."""
+
+_FIELDS = {
+    "llama": {
+        **{name: ("mapped", _any, None) for name in _MAPPED_LLAMA},
+        "hidden_act": ("schema", lambda v, c: v in (None, "silu"), "silu"),
+        "attention_bias": ("schema", _off, "false"),
+        "mlp_bias": ("schema", _off, "false"),
+        "rope_parameters": ("default", _plain_rope, "the default type with rope_theta"),
+        "rope_scaling": ("default", _plain_rope, "null"),
+        "partial_rotary_factor": ("default", lambda v, c: v in (None, 1), "1.0"),
+        "sliding_window": ("default", _no_window, "null (or with use_sliding_window false)"),
+        "use_sliding_window": ("default", _off, "false"),
+        "max_window_layers": ("default", lambda v, c: not c.get("use_sliding_window"),
+                              "unused (use_sliding_window false)"),
+        "layer_types": ("default", _full_attention, "all 'full_attention'"),
+    },
+    "gpt2": {
+        **{name: ("mapped", _any, None) for name in _MAPPED_GPT2},
+        "tie_word_embeddings": ("schema", lambda v, c: v in (None, True), "true"),
+        "activation_function": ("default", lambda v, c: v in _GPT2_ACTIVATIONS,
+                                " or ".join(_GPT2_ACTIVATIONS)),
+        "scale_attn_weights": ("default", lambda v, c: v in (None, True), "true"),
+        "scale_attn_by_inverse_layer_idx": ("default", _off, "false"),
+        "add_cross_attention": ("default", _off, "false"),
+    },
+}
+
+
+def uncarried_field(config: dict, family: str, target: str) -> tuple[str, object, str] | None:
+    """The first field of ``config`` (a ``family`` model's) that ``target`` output would lose
+    although it changes what the model computes: ``(name, value, hint)``; None when nothing
+    is lost."""
+    keeps = _keeps(config, family, target)
+    for name, value in config.items():
+        if name in _NEUTRAL or name.endswith(("dropout", "_pdrop")):
+            continue
+        kind, ok, noop = _FIELDS.get(family, {}).get(name, ("unknown", None, None))
+        if kind != "unknown" and ok(value, config):
+            continue
+        if kind in ("default", "unknown") and keeps:
+            continue
+        if kind == "schema":
+            return name, value, (f"ckptool's {family} schema holds {name} only as {noop}, so no "
+                                 "output can hold this model yet")
+        keepers = [t for t in KEEPS_CONFIG if _keeps(config, family, t)]
+        hint = f"ckptool maps {name} to {target} only as {noop}" if noop else \
+            f"ckptool does not map it to {target}"
+        if keepers:
+            hint += f"; --to {' or --to '.join(sorted(keepers))} keeps it as it is"
+        return name, value, hint
+    return None
+
+
+def _keeps(config: dict, family: str, target: str) -> bool:
+    how = KEEPS_CONFIG.get(target)
+    return how == "whole" or (how == "unset" and
+                              config.get("model_type", _WRITTEN_TYPE[family]) == _WRITTEN_TYPE[family])
+
+
+def refuse_uncarried_config(index: CheckpointIndex, target: str) -> None:
+    """Refuse (UsageError, exit 2) to write ``target`` output from a source whose HF config
+    (the ``hf.config`` object an hf reader or a DeepSpeed HF-model view puts in the index) has
+    a field the output would lose although it changes the math; see the rule above."""
+    config, family = index.objects.get(CONFIG_KEY), index.objects.get(FAMILY_KEY)
+    if config is None or family is None or not isinstance(config.value, dict):
+        return
+    lost = uncarried_field(config.value, family.value, target)
+    if lost is not None:
+        name, value, hint = lost
+        raise UsageError(f"config.json field {name}={_short(value)} is not carried to {target} "
+                         "output by ckptool yet, so the converted model would compute differently",
+                         path=index.url, hint=f"{hint}; nothing was written")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
 def named_view(index: CheckpointIndex, config: dict, family: str | None, where: str,
                prefixes: tuple[str, ...] = ("",)) -> CheckpointIndex:
     """The canonical view of a checkpoint whose tensors carry a Hugging Face model's names
@@ -258,8 +430,10 @@ def named_view(index: CheckpointIndex, config: dict, family: str | None, where: 
     out = view.index
     out.model_config, out.true_vocab_size = asdict(spec), spec.vocab_size
     out.objects[CONFIG_KEY] = ObjectInfo(CONFIG_KEY, value=config)
+    out.objects[FAMILY_KEY] = ObjectInfo(FAMILY_KEY, value=family)
     return out
 
 
-__all__ = ["CONFIG", "CONFIG_KEY", "FAMILY_KEY", "FAMILIES", "hf_tensors", "family_of",
-           "tied_aliases", "spec_from_config", "config_for", "family_of_config", "named_view"]
+__all__ = ["CONFIG", "CONFIG_KEY", "FAMILY_KEY", "FAMILIES", "KEEPS_CONFIG", "hf_tensors", "family_of",
+           "tied_aliases", "spec_from_config", "config_for", "family_of_config", "named_view",
+           "uncarried_field", "refuse_uncarried_config"]

@@ -16,13 +16,12 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
-from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, TensorInfo
+from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo
 from ckptool.core.layout import (FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS,
                                  ModelSpec, Param, global_params, padded_vocab)
 from ckptool.core.regions import Region
-from ckptool.core.storage import Store
+from ckptool.core.storage import Store, pointed_dir
 from ckptool.core.topology import Topology
-from ckptool.core.torchfile import TorchFile
 from converters import megatron_optimizer as optim
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -36,13 +35,13 @@ def iteration_dir(iteration: int | str) -> str:
 
 
 def tracked_dir(store: Store) -> str | None:
-    """The directory the tracker file points at, or None when there is no usable tracker."""
-    if not store.exists(TRACKER):
-        return None
-    text = store.read_bytes(TRACKER).decode(errors="replace").strip()
-    if text == "release" or text.isdigit():
-        return iteration_dir(text)
-    return None
+    """The directory the tracker file points at (``iter_0000200`` or ``release``), None when
+    there is no tracker; a tracker naming a missing iteration is an error, as in Megatron-LM."""
+    return pointed_dir(store, TRACKER, _tracked_name)
+
+
+def _tracked_name(text: str) -> str | None:
+    return iteration_dir(text) if text == "release" or text.isdigit() else None
 
 
 # ------------------------------------------------------------------------- name schemas
@@ -272,6 +271,97 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
     return spec, topo, bool(true_vocab)
 
 
+# Which Megatron args change the math. Megatron-LM stores hundreds of args (data, logging,
+# parallelism, fusions, precision...), almost all of them irrelevant to what the weights
+# compute, so unlike HF config fields (converters.hf_schema) an unknown arg is not refused:
+# the rule is this explicit list of the math-affecting args with their no-op values, plus
+# every arg spec_from_args maps into the ModelSpec (layers, sizes, heads, groups, kv_channels,
+# ffn, vocab, swiglu, openai_gelu, bias, normalization, positions, rotary_base, epsilon, tied).
+
+def _off(value, args) -> bool:
+    return value in (None, False)
+
+
+def _rope_only(test):
+    """A RoPE setting: a no-op when the model has no rotary positions."""
+    return lambda value, args: test(value, args) or \
+        str(_get(args, "position_embedding_type", "learned_absolute")) != "rope"
+
+
+MATH_ARGS = {
+    # mapped by spec_from_args, for these values only
+    "position_embedding_type": ("learned_absolute or rope",
+                                lambda v, a: str(v) in ("learned_absolute", "rope")),
+    "normalization": ("LayerNorm or RMSNorm", lambda v, a: str(v) in ("LayerNorm", "RMSNorm")),
+    # no-op values
+    "use_rope_scaling": ("false", _rope_only(_off)),
+    "rotary_percent": ("1.0", _rope_only(lambda v, a: v in (None, 1))),
+    "rotary_interleaved": ("false", _rope_only(_off)),
+    "rotary_seq_len_interpolation_factor": ("null", _rope_only(lambda v, a: v in (None, 1))),
+    "no_rope_freq": ("null", _rope_only(lambda v, a: v is None)),
+    "window_size": ("null", lambda v, a: v is None or
+                    (isinstance(v, (list, tuple)) and tuple(v) == (-1, -1))),
+    "add_qkv_bias": ("false (or add_bias_linear)",
+                     lambda v, a: not v or bool(_get(a, "add_bias_linear", True))),
+    "qk_layernorm": ("false", _off),
+    "qk_l2_norm": ("false", _off),
+    "attention_output_gate": ("false", _off),
+    "softmax_scale": ("null", lambda v, a: v is None),
+    "softmax_type": ("vanilla", lambda v, a: v in (None, "vanilla")),
+    "apply_layernorm_1p": ("false", _off),
+    "layernorm_zero_centered_gamma": ("false", _off),
+    "apply_residual_connection_post_layernorm": ("false", _off),
+    "squared_relu": ("false", _off),
+    "quick_geglu": ("false", _off),
+    "glu_linear_offset": ("0", lambda v, a: v in (None, 0)),
+    "activation_func_clamp_value": ("null", lambda v, a: v is None),
+    "num_experts": ("null", lambda v, a: not v),
+    "num_moe_experts": ("null", lambda v, a: not v),
+    "multi_latent_attention": ("false", _off),
+    "experimental_attention_variant": ("null", lambda v, a: v is None),
+    "linear_attention_freq": ("null", lambda v, a: v is None),
+    "heterogeneous_layers_config_path": ("null", lambda v, a: v is None),
+    "heterogeneous_layers_config_encoded_json": ("null", lambda v, a: v is None),
+    "hybrid_override_pattern": ("null", lambda v, a: v is None),
+    "is_hybrid_model": ("false", _off),
+    "retro_add_retriever": ("false", _off),
+}
+"""Megatron arg -> (its no-op value, in words; test of a value the output loses nothing by)."""
+
+ARGS_KEPT_BY = ("megatron", "megatron-dist", "deepspeed")
+"""Outputs that write the source's ``args`` themselves (:func:`update_args` changes only the
+topology and vocab padding): megatron, megatron-dist, and DeepSpeed pipeline (layer) files."""
+
+
+def uncarried_arg(args: argparse.Namespace) -> tuple[str, object, str] | None:
+    """The first math-affecting arg whose value an output without the args would lose:
+    ``(name, value, its no-op value)``; None when the ModelSpec says it all."""
+    args = normalize_args(args)
+    for name, (noop, ok) in MATH_ARGS.items():
+        value = getattr(args, name, None)
+        if value is not None and not ok(value, args):
+            return name, value, noop
+    return None
+
+
+def refuse_uncarried_args(index: CheckpointIndex, target: str) -> None:
+    """Refuse (UsageError, exit 2) to write ``target`` output, which carries only the
+    ModelSpec, from a source whose Megatron ``args`` set a math-affecting arg the spec does
+    not express (RoPE scaling, a window, QK norms, MoE...): the output would compute
+    differently. Outputs in :data:`ARGS_KEPT_BY` keep every arg and pass."""
+    obj = index.objects.get("args")
+    if target in ARGS_KEPT_BY or obj is None or not isinstance(obj.value, argparse.Namespace):
+        return
+    lost = uncarried_arg(obj.value)
+    if lost is not None:
+        name, value, noop = lost
+        raise UsageError(f"Megatron arg {name}={value!r} is not carried to {target} output by "
+                         "ckptool yet, so the converted model would compute differently",
+                         path=index.url,
+                         hint=f"ckptool maps {name} to {target} only as {noop}; --to megatron or "
+                              "--to megatron-dist keeps the args as they are; nothing was written")
+
+
 def retarget_spec(spec: ModelSpec, source_tp: int, target_tp: int, vocab_known: bool,
                   first: int | None = None, last: int | None = None) -> ModelSpec:
     """The same model laid out for ``target_tp``; refuses a vocab padding it cannot know.
@@ -451,7 +541,8 @@ def split_layers(index: CheckpointIndex, key: str, info: TensorInfo, pieces: lis
             index.tensors[name].pieces.append(Piece(region, loc))
 
 
-def read_common(store: Store, rel: str, index: CheckpointIndex, distributed=None) -> None:
+def read_common(reader: Reader, store: Store, rel: str, index: CheckpointIndex,
+                distributed=None) -> None:
     """``common.pt`` (the same in both backends) into ``index``: ``args`` -> topology and
     model, the canonical entries, the rest as ``common.*`` objects; then the optimizer.
 
@@ -467,12 +558,8 @@ def read_common(store: Store, rel: str, index: CheckpointIndex, distributed=None
     source = store.display(rel)
     if not store.exists(rel):
         raise BadCheckpoint("common.pt is missing", path=source)
-    reader = store.range_reader(rel)
-    try:
-        archive = TorchFile(reader, reader.size, source)
-        common = archive.materialize(archive.obj)
-    finally:
-        reader.close()
+    archive = reader.open_archive(store, rel)
+    common = archive.materialize(archive.obj)
     index.files[rel] = 1
     if isinstance(common, dict):
         _read_common_entries(common, index, source)

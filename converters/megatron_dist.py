@@ -29,6 +29,7 @@ from dataclasses import replace
 
 import torch
 
+from ckptool.core import torchfile
 from ckptool.core.dcpfile import METADATA, DcpContainerReader
 from ckptool.core.dcpwrite import DcpFileWriter, RecordedFiles, write_metadata
 from ckptool.core.engine import TargetFile, TargetTensor
@@ -88,7 +89,7 @@ class MegatronDistReader(DcpContainerReader):
                 split_layers(index, key, info, pieces)
             else:
                 index.tensors[key] = TensorInfo(key, info.shape, info.dtype, pieces)
-        read_common(store, prefix + COMMON, index, lambda value, index_, source: dist_distopt.read(
+        read_common(self, store, prefix + COMMON, index, lambda value, index_, source: dist_distopt.read(
             value, index_, source, lambda obj: self.read_object(store, obj)))
         return index
 
@@ -243,7 +244,7 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         spec, topo = self._target
         common["args"] = update_args(args.value if args else None, spec, topo, index.true_vocab_size, index)
         buf = io.BytesIO()
-        torch.save(common, buf)
+        torchfile.save(common, buf)  # records under their own names
         sub.write_bytes(COMMON, buf.getvalue())
         store.write_bytes(TRACKER, str(common["iteration"]).encode())
         return [f"{it_dir}/{METADATA}", f"{it_dir}/{METADATA_JSON}", f"{it_dir}/{COMMON}", TRACKER]

@@ -103,7 +103,7 @@ class MegatronZarrReader(Reader):
                 name = f"{key}/{file.removesuffix('.pt')}"
                 index.objects[name] = ObjectInfo(name, Location(f"{prefix}{key}/{file}"))
                 index.files[f"{prefix}{key}/{file}"] = 1
-        read_common(store, prefix + COMMON, index)  # as torch_dist's, the optimizer's too
+        read_common(self, store, prefix + COMMON, index)  # as torch_dist's, the optimizer's too
         _refuse_optimizer(index)
         return index
 
@@ -140,6 +140,7 @@ class MegatronZarrReader(Reader):
         reader = _open(store, obj.location)
         try:
             archive = TorchFile(reader, reader.size, reader.source)
+            self.note_unsafe(reader.source, archive.unsafe, obj.key)
             return archive.materialize(archive.obj)
         finally:
             reader.close()

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckptool.checkpoint import open_checkpoint
 from ckptool.core.regions import Region, execute, plan_copies
-from ckptool.core.safe_pickle import Opaque
+from ckptool.core.safe_pickle import Unsafe
 from tests.conftest import spawn_gloo
 
 SHAPES = {"col": (10, 6), "row": (8, 9), "grid": (7, 5), "rep": (4,), "scalar": ()}
@@ -100,12 +100,14 @@ class Custom:  # a class outside the allowlist
         self.value = 3
 
 
-def test_objects_of_unknown_classes_stay_opaque(tmp_path):
+def test_objects_of_unknown_classes_are_refused_not_imported(tmp_path):
     path = tmp_path / "c"
     dcp.save({"w": torch.ones(3), "custom": Custom()}, checkpoint_id=str(path))
     opened = open_checkpoint(str(path))
     value = opened.reader.read_object(opened.store, opened.index.objects["custom"])
-    assert isinstance(value, Opaque) and "Custom" in value.reason
+    assert isinstance(value, Unsafe) and value.qualified_name == f"{Custom.__module__}.Custom"
+    (found,) = opened.reader.unsafe_pickles()
+    assert (found.key, found.name) == ("custom", f"{Custom.__module__}.Custom")
 
 
 def test_reads_safetensors_serialization(tmp_path):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ckptool.core.dcpwrite import DcpFileWriter, FileRecord, write_metadata
 from ckptool.core.errors import BadCheckpoint
 from ckptool.core.manifest import MANIFEST, FileEntry, Manifest, write_manifest
+from ckptool.core.safe_pickle import trusted
 from ckptool.core.storage import Store, is_temporary
 from training.state import boxes, describe, dotted, set_leaf
 
@@ -398,9 +399,15 @@ def load(path: str, state: dict, rank: int = 0) -> int | None:
                 e.local.copy_(host)
             else:
                 fill_into(e.shard, e.local, index, read_box)
-    for key, (path_, _) in leaves.items():
+    values = {}
+    for key in leaves:
         obj = index.objects.get(key)
         if obj is None:
             raise BadCheckpoint(f"checkpoint has no entry {key!r}", path=opened.store.url, key=key)
-        set_leaf(state, path_, opened.reader.read_object(opened.store, obj))
+        values[key] = opened.reader.read_object(opened.store, obj)
+    found = [] if trusted() else opened.reader.unsafe_pickles()
+    if found:  # a class outside the allowlist is never imported (trust_pickle(True) allows it)
+        raise found[0].error()
+    for key, (path_, _) in leaves.items():
+        set_leaf(state, path_, values[key])
     return index.iteration

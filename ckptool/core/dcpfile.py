@@ -21,7 +21,7 @@ import torch
 from ckptool.core.errors import BadCheckpoint, CkptoolError, UnreadableInput
 from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo
 from ckptool.core.regions import Region, byte_runs
-from ckptool.core.safe_pickle import load_dcp_metadata, torch_load, torch_load_or_opaque
+from ckptool.core.safe_pickle import load_dcp_metadata, trusted
 from ckptool.core.stfile import parse_header
 from ckptool.core.storage import Store
 from ckptool.core.torchfile import TensorRef, TorchFile
@@ -40,22 +40,32 @@ class DcpContainerReader(Reader):
         index = CheckpointIndex(format=self.name, url=store.url,
                                 format_version=getattr(meta, "version", None))
         storage = meta.storage_data or {}
+        if not isinstance(storage, dict) or not isinstance(meta.state_dict_metadata, dict):
+            raise BadCheckpoint("DCP metadata has no storage table", path=store.display(METADATA))
         by_fqn: dict[tuple[str, tuple | None], Any] = {}
+        spans: dict[str, list[tuple[int, int, str]]] = {}
         for mindex, info in storage.items():
+            fqn = getattr(mindex, "fqn", None)
+            _check_storage_info(store, fqn, info)
             offset = tuple(mindex.offset) if mindex.offset is not None else None
-            by_fqn[(mindex.fqn, offset)] = info
+            by_fqn[(fqn, offset)] = info
             end = info.offset + info.length
             index.files[info.relative_path] = max(index.files.get(info.relative_path, 0), end)
+            spans.setdefault(info.relative_path, []).append((info.offset, end, fqn))
+        _check_disjoint(store, spans)
 
         for key, entry in meta.state_dict_metadata.items():
             if entry.chunks is None:  # BytesStorageMetadata
                 info = by_fqn.get((key, None))
                 index.objects[key] = ObjectInfo(key, _location(info) if info else None)
                 continue
-            shape = tuple(entry.size)
-            tensor = TensorInfo(key, shape, entry.properties.dtype)
+            dtype = getattr(entry.properties, "dtype", None)
+            if not isinstance(dtype, torch.dtype):
+                raise BadCheckpoint("tensor has no dtype", path=store.display(METADATA), key=key)
+            shape = _sizes(entry.size, store, key)
+            tensor = TensorInfo(key, shape, dtype)
             for chunk in entry.chunks:
-                offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+                offsets, sizes = _sizes(chunk.offsets, store, key), _sizes(chunk.sizes, store, key)
                 info = by_fqn.get((key, offsets))
                 if info is None:
                     raise BadCheckpoint(f"chunk at {list(offsets)} has no storage entry",
@@ -64,6 +74,11 @@ class DcpContainerReader(Reader):
                     region = Region(key, shape, offsets, sizes)
                 except ValueError as exc:
                     raise BadCheckpoint(str(exc), path=store.display(METADATA), key=key) from None
+                if not _location(info).detail and region.numel * dtype.itemsize > info.length:
+                    raise BadCheckpoint(f"chunk at {list(offsets)} of {list(sizes)} elements needs "
+                                        f"{region.numel * dtype.itemsize} bytes, its storage "
+                                        f"entry holds {info.length}", path=store.display(METADATA),
+                                        key=key)
                 tensor.pieces.append(Piece(region, _location(info)))
             index.tensors[key] = tensor
         save_id = getattr(getattr(meta, "storage_meta", None), "save_id", None) or ""
@@ -93,6 +108,7 @@ class DcpContainerReader(Reader):
                 cache[key] = None
             else:
                 cache[key] = TorchFile(_Window(reader, loc.offset), loc.length, store.display(loc.file))
+                self.note_unsafe(store.display(loc.file), cache[key].unsafe, piece.region.key)
         return cache[key]
 
     def _ref(self, store: Store, piece: Piece, dtype: torch.dtype):
@@ -124,10 +140,11 @@ class DcpContainerReader(Reader):
         raw = read_location(store, loc)
         shape = piece.region.local_shape
         if raw[:4] == _ZIP_MAGIC:
-            tensor = torch_load(raw, store.display(loc.file))
-            if not isinstance(tensor, torch.Tensor):
+            archive = TorchFile(_bytes_reader(raw), len(raw), store.display(loc.file))
+            if not isinstance(archive.obj, TensorRef):
                 raise BadCheckpoint("stored chunk is not a tensor", path=store.display(loc.file),
                                     key=piece.region.key)
+            tensor = archive.load(archive.obj)
         elif loc.offset == 0 and _looks_like_safetensors(raw):
             tensor = _read_safetensors_chunk(store, loc.file, piece.region.key)
         else:
@@ -143,10 +160,20 @@ class DcpContainerReader(Reader):
         return tensor.contiguous()
 
     def read_object(self, store: Store, obj: ObjectInfo) -> Any:
+        """A non-tensor entry: its ``torch.save`` bytes read through the one unpickler
+        (objects outside the allowlist stand as markers, noted by :meth:`note_unsafe`), or
+        the raw bytes of a ``BytesIO`` entry."""
         if obj.location is None:
             return obj.value
         raw = read_location(store, obj.location)
-        return torch_load_or_opaque(raw, store.display(obj.location.file))
+        source = store.display(obj.location.file)
+        if raw[:4] != _ZIP_MAGIC:
+            if raw[:1] == b"\x80" and not trusted():  # a bare pickle stream (torch's legacy format)
+                self.note_unsafe(source, [("", "a bare pickle stream (not a torch.save archive)")], obj.key)
+            return io.BytesIO(raw)
+        archive = TorchFile(_bytes_reader(raw), len(raw), source)
+        self.note_unsafe(source, archive.unsafe, obj.key)
+        return archive.materialize(archive.obj)
 
 
 def read_metadata(store: Store):
@@ -166,6 +193,45 @@ def read_metadata(store: Store):
             raise BadCheckpoint(f"DCP metadata cannot be parsed ({exc})",
                                 path=store.display(METADATA)) from None
         raise
+
+
+def _sizes(values, store: Store, key: str) -> tuple[int, ...]:
+    """A shape or offsets of the metadata as non-negative ints (a hostile file may hold
+    anything there)."""
+    try:
+        out = tuple(values)
+    except TypeError:
+        out = None
+    if out is None or not all(type(n) is int and n >= 0 for n in out):
+        raise BadCheckpoint(f"malformed sizes {str(values)[:60]}", path=store.display(METADATA), key=key)
+    return out
+
+
+def _check_storage_info(store: Store, fqn, info) -> None:
+    """A storage entry names a file inside the checkpoint and a byte range of it."""
+    where = store.display(METADATA)
+    if not isinstance(fqn, str):
+        raise BadCheckpoint("a storage entry has no key", path=where)
+    path = getattr(info, "relative_path", None)
+    store.contained(path, named_by=METADATA, key=fqn)
+    if not path or not all(type(getattr(info, f, None)) is int and getattr(info, f) >= 0
+                           for f in ("offset", "length")):
+        raise BadCheckpoint(f"malformed storage entry ({str(path)[:60]}, offset "
+                            f"{str(getattr(info, 'offset', None))[:20]}, length "
+                            f"{str(getattr(info, 'length', None))[:20]})", path=where, key=fqn)
+
+
+def _check_disjoint(store: Store, spans: dict[str, list[tuple[int, int, str]]]) -> None:
+    """No two stored items share bytes of a file. (A file of DCP's safetensors serialization
+    places its tensors by its own header, which is checked when it is read.)"""
+    for path, items in spans.items():
+        items.sort()
+        for (_, end, key), (start, _, other) in zip(items, items[1:]):
+            if start < end:
+                if _looks_like_safetensors(store.read_bytes(path, 0, 16)):
+                    break
+                raise BadCheckpoint(f"the bytes of {key!r} and {other!r} overlap in {path}",
+                                    path=store.display(METADATA))
 
 
 def _location(info) -> Location:
@@ -212,16 +278,25 @@ def _untransform(raw: bytes, descriptors: tuple, source: str) -> bytes:
     return stream.read()
 
 
+def _bytes_reader(raw: bytes):
+    view = memoryview(raw)
+    return lambda start, end: bytes(view[start:min(end, len(view))])
+
+
 def _looks_like_safetensors(raw: bytes) -> bool:
     return len(raw) > 9 and raw[8:9] == b"{"
 
 
 def _read_safetensors_chunk(store: Store, file: str, key: str) -> torch.Tensor:
     source = store.display(file)
-    entries, _ = parse_header(lambda a, b: store.read_bytes(file, a, b), source)
-    if key not in entries:
-        raise BadCheckpoint("tensor is missing from its safetensors file", path=source, key=key)
-    e = entries[key]
-    data = bytearray(store.read_bytes(file, e.begin, e.end))
+    reader = store.range_reader(file)
+    try:
+        entries, _ = parse_header(reader, source)
+        if key not in entries:
+            raise BadCheckpoint("tensor is missing from its safetensors file", path=source, key=key)
+        e = entries[key]
+        data = bytearray(reader(e.begin, e.end))
+    finally:
+        reader.close()
     return torch.frombuffer(data, dtype=e.dtype).reshape(e.shape) if data else \
         torch.empty(e.shape, dtype=e.dtype)

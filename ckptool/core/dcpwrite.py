@@ -61,8 +61,13 @@ class DcpFileWriter:
         self.objects.append((key, self.path, start, len(data)))
 
     def add_object(self, key: str, value: Any) -> None:
+        """A non-tensor entry, pickled by :func:`torchfile.save` (records under their own
+        names; a global outside the allowlist is refused, never written)."""
+        if isinstance(value, io.BytesIO):  # DCP keeps BytesIO entries as their raw bytes
+            self.add_bytes(key, value.getvalue())
+            return
         buf = io.BytesIO()
-        torch.save(value, buf)
+        torchfile.save(value, buf)
         self.add_bytes(key, buf.getvalue())
 
     def __exit__(self, *exc):

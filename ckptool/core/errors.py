@@ -61,6 +61,21 @@ class BadCheckpoint(CkptoolError):
     exit_code = 1
 
 
+class PathEscape(BadCheckpoint):
+    """A path a checkpoint names (an index entry, a storage path, a tracker, a symlink) leads
+    outside the checkpoint directory (exit 1). Nothing outside it is ever read."""
+
+
+class NotRegularFile(BadCheckpoint):
+    """A FIFO, device or socket where a checkpoint file should be (exit 1): refused before it
+    is opened, since reading one can block for ever."""
+
+
+class DanglingPointer(BadCheckpoint):
+    """A tracker or ``latest`` file names a checkpoint that is not there (exit 1). The
+    frameworks' own loaders fail there too; ckptool never takes another one instead."""
+
+
 class NotCommitted(BadCheckpoint):
     """A ckptool-written checkpoint without its manifest: the writer never finished."""
 

@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
-from ckptool.core.errors import UsageError
+from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
 from ckptool.core.regions import Region
+from ckptool.core.safe_pickle import UnsafeFinding
 from ckptool.core.storage import Store
+from ckptool.core.torchfile import TorchFile
 from ckptool.core.topology import Topology
 
 
@@ -144,10 +146,37 @@ class Reader:
         return None
 
     def read_object(self, store: Store, obj: ObjectInfo) -> Any:
-        """The value of a named object (Opaque when its pickle is not allowlisted)."""
+        """The value of a named object. Where its pickle names a global outside the
+        allowlist, an inert marker stands in the tree, and :meth:`note_unsafe` lists it."""
         if obj.location is None:
             return obj.value
         raise NotImplementedError
+
+    def open_archive(self, store: Store, rel: str) -> TorchFile:
+        """One ``torch.save`` file of the checkpoint, opened through the one unpickler (its
+        container checked, tensors left on disk); what its pickle refuses is noted."""
+        try:
+            read = store.range_reader(rel)
+        except UnreadableInput:
+            raise BadCheckpoint("file is missing", path=store.display(rel)) from None
+        archive = TorchFile(read, read.size, store.display(rel))
+        self.note_unsafe(store.display(rel), archive.unsafe)
+        return archive
+
+    def note_unsafe(self, source: str, found, key: str | None = None) -> None:
+        """Record ``(entry, global)`` pairs of a pickle this reader loaded (``key`` prefixes
+        the entry: the object or tensor it belongs to)."""
+        if not found:
+            return
+        notes = self.__dict__.setdefault("_unsafe", {})
+        for entry, name in found:
+            where = ".".join(x for x in (key, entry) if x) or None
+            notes.setdefault(UnsafeFinding(source, where, name), None)
+
+    def unsafe_pickles(self) -> list[UnsafeFinding]:
+        """Every pickled entry this reader has loaded so far that names a global outside the
+        allowlist (none is imported). Commands refuse them unless pickles are trusted."""
+        return list(self.__dict__.get("_unsafe", {}))
 
 
 class Writer:

@@ -21,7 +21,7 @@ import xxhash
 
 from ckptool.core import VERSION
 from ckptool.core.errors import BadCheckpoint
-from ckptool.core.storage import Store, fsync, pread_blocks, write_file_atomically
+from ckptool.core.storage import Store, fsync, path_problem, pread_blocks, write_file_atomically
 
 MANIFEST = "ckptool.json"
 MANIFEST_VERSION = 1
@@ -67,16 +67,43 @@ class Manifest:
             data = json.loads(text)
             if data.get("ckptool_manifest") != MANIFEST_VERSION or data.get("hash") != HASH:
                 raise ValueError(f"unknown manifest version {data.get('ckptool_manifest')!r}")
-            files = [FileEntry(str(f["path"]), int(f["size"]), str(f["xxh3_128"]))
-                     for f in data["files"]]
+            files = [_entry(f) for f in data["files"]]
+            if len({f.path for f in files}) != len(files):
+                raise ValueError("a file is listed twice")
             known = {k: data[k] for k in cls.__dataclass_fields__ if k in data and k != "files"}
+            for name, value in known.items():
+                if not isinstance(value, _FIELD_TYPES.get(name, object)):
+                    raise ValueError(f"field {name} is {type(value).__name__}")
+            if isinstance(known.get("topology"), dict) and not all(
+                    type(v) is int and v >= 0 for v in known["topology"].values()):
+                raise ValueError("topology sizes are not numbers")
             return cls(files=files, **known)
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise BadCheckpoint(f"manifest is not valid: {exc}", path=source,
                                 hint="The checkpoint was not committed by a known ckptool") from None
 
     def file_map(self) -> dict[str, FileEntry]:
         return {f.path: f for f in self.files}
+
+
+_HEX = frozenset("0123456789abcdef")
+_FIELD_TYPES = {"format": str, "format_version": (str, type(None)), "topology": (dict, type(None)),
+                "model_config": (dict, type(None)), "true_vocab_size": (int, type(None)),
+                "iteration": (int, type(None)), "sealed": bool, "creator": str, "created_utc": str,
+                "extra": dict}
+
+
+def _entry(item) -> FileEntry:
+    """One well-formed file entry: a relative path inside the checkpoint, a size, a hash."""
+    path, size, digest = item["path"], item["size"], item["xxh3_128"]
+    problem = path_problem(path)
+    if problem is not None:
+        raise ValueError(f"file entry {str(path)[:80]!r} {problem}")
+    if type(size) is not int or size < 0:
+        raise ValueError(f"file entry {path!r} has size {str(size)[:20]}")
+    if not isinstance(digest, str) or len(digest) != 32 or not set(digest) <= _HEX:
+        raise ValueError(f"file entry {path!r} has no xxh3-128 hash ({str(digest)[:40]!r})")
+    return FileEntry(path, size, digest)
 
 
 def read_manifest(store: Store) -> Manifest | None:
@@ -209,7 +236,7 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
         # Hash straight from the page cache through mmap: one pass over memory, no copy,
         # which is faster than `cat` reading the same file (a filesystem that cannot map is
         # read in blocks, below).
-        with open(store.path(rel), "rb") as f:
+        with store.open_file(rel, "rb") as f:  # contained, a regular file
             size = os.fstat(f.fileno()).st_size
             try:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None

@@ -1,24 +1,35 @@
-"""Loading pickles from checkpoints without executing them.
+"""Reading pickles from checkpoints without running them: one unpickler, one allowlist.
 
-A pickle can run any code, and checkpoints come from other people's jobs. Every ``.pt``
-file goes through ``torch.load(weights_only=True)`` with an explicit allowlist, and DCP's
-``.metadata`` through a restricted unpickler that admits only DCP's own metadata classes.
-``trust_pickle(True)`` (the CLI's ``--trust-pickle``) is the only way past it.
+A pickle can run any code, and checkpoints come from other people's jobs. Every pickle
+ckptool reads (``torch.save`` archives: Megatron and DeepSpeed files, DCP chunks and
+non-tensor entries; DCP's ``.metadata``) goes through :class:`Unpickler`, whose
+``find_class`` admits only :data:`ALLOWLIST`:
 
-A class outside the allowlist is never imported: the load fails with
-:class:`~ckptool.core.errors.UnsafePickle`, which names the class, or, for non-tensor
-objects that are only carried along, the bytes are kept opaque (:class:`Opaque`).
+* plain data constructors that run no code of consequence (``OrderedDict``,
+  ``argparse.Namespace``, numpy's array rebuild, torch dtypes and ``Size``...);
+* known data classes of the peers (DCP's metadata, Megatron's enums, DeepSpeed's loss
+  scaler and fragment addresses), rebuilt as inert :class:`Record`\\ s: their code is never
+  imported, and they are pickled back under their own names, so what ckptool carries
+  survives unchanged.
+
+Any other global is never imported: it becomes an :class:`Unsafe` marker, and the
+unpickler lists it. Commands then refuse the file, naming the file, the entry and the
+global (``verify`` reports it, ``inspect`` warns), and no writer ever writes a marker
+(:func:`refuse_unsafe`), so a hostile pickle is never copied into an output.
+``trust_pickle(True)`` (the CLI's ``--trust-pickle``) is the only way past it: the
+pickle is then really loaded (its code runs) and re-pickled from the loaded objects.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import io
 import pickle
 import posixpath
-import re
+import types
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterator
 
 import torch
 
@@ -26,7 +37,7 @@ from ckptool.core.errors import BadCheckpoint, UnsafePickle
 
 _TRUST = False
 
-TRUST_HINT = "Pass --trust-pickle only if you trust whoever wrote this file"
+TRUST_HINT = "ckptool does not unpickle it; pass --trust-pickle only if you trust whoever wrote the file"
 
 
 def trust_pickle(value: bool) -> None:
@@ -35,61 +46,132 @@ def trust_pickle(value: bool) -> None:
     _TRUST = bool(value)
 
 
-@dataclass(frozen=True, slots=True)
-class Opaque:
-    """A pickled object whose classes are not on the allowlist, kept as raw bytes."""
-
-    data: bytes
-    reason: str
-
-    def __repr__(self) -> str:
-        return f"<opaque pickle, {len(self.data)} bytes: {self.reason}>"
+def trusted() -> bool:
+    return _TRUST
 
 
-class _Record:
-    """Stand-in for a DCP metadata class: holds the pickled state as attributes.
+# ------------------------------------------------------------------------ stand-ins
 
-    DCP's own classes are never imported or run to read ``.metadata`` (importing
-    torch.distributed.checkpoint alone costs a second of start-up).
+
+class Record:
+    """An instance of an allowlisted class, rebuilt inert: its global name, the arguments it
+    was built with and its state (never the class itself, whose code is not imported).
+
+    Attributes of the pickled state read as attributes (``meta.storage_data``); an absent
+    one reads as None (optional fields of older versions). The writer pickles a record
+    back under its original name with the same arguments and state.
     """
 
+    _module = "?"
+    _name = "?"
+    unsafe = False
+
+    def __new__(cls, *args):
+        obj = object.__new__(cls)
+        obj.__dict__.update(_args=args, _state=None, _via_new=True, _items={}, _list=[])
+        return obj
+
     def __init__(self, *args):
-        self._args = args
+        self.__dict__.update(_args=args, _via_new=False)
 
     def __setstate__(self, state):
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        elif isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-            self.__dict__.update(state[1])  # (dict state, slots state)
-            if isinstance(state[0], dict):
-                self.__dict__.update(state[0])
-        else:
-            self._state = state
+        self.__dict__["_state"] = state
 
     def __getattr__(self, name):
-        if name.startswith("__"):
+        if name.startswith("_"):
             raise AttributeError(name)
-        return None  # optional fields absent from older versions
+        return self.fields().get(name)
 
-    def __hash__(self):
-        return hash((type(self).__name__, tuple(sorted((k, _hashable(v)) for k, v in self.__dict__.items()))))
+    def fields(self) -> dict:
+        """The pickled state as a dict (a ``(dict, slots)`` pair merged)."""
+        state = self.__dict__.get("_state")
+        if isinstance(state, dict):
+            return state
+        if isinstance(state, tuple) and len(state) == 2:
+            return {**(state[0] or {}), **(state[1] or {})} if all(
+                s is None or isinstance(s, dict) for s in state) else {}
+        return {}
+
+    def __deepcopy__(self, memo):  # copy's default would feed our fields to __setstate__
+        import copy
+
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def __setitem__(self, key, value):  # dict subclasses
+        self._items[key] = value
+
+    def append(self, value):  # list subclasses
+        self._list.append(value)
+
+    def extend(self, values):
+        self._list.extend(values)
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self._module}.{self._name}"
+
+    def _key(self):
+        return (self.qualified_name, self._args, self._state, self._items, self._list)
+
+    def __repr__(self) -> str:
+        return f"<{'refused' if self.unsafe else 'record'} {self.qualified_name}{self._args!r}>"
 
     def __eq__(self, other):
-        return type(self) is type(other) and self.__dict__ == other.__dict__
+        return isinstance(other, Record) and self._key() == other._key()
+
+    def __hash__(self):  # DCP's MetadataIndex is a dict key
+        return hash(_frozen(self._key()))
 
 
-def _hashable(value):
-    return tuple(value) if isinstance(value, list) else value
+class Unsafe(Record):
+    """What stands where a pickle names a global outside the allowlist: inert, listed by
+    the unpickler, and never written (:func:`refuse_unsafe`)."""
+
+    unsafe = True
 
 
-class _TensorProperties(_Record):
+def _frozen(value):
+    if isinstance(value, dict):
+        return tuple(sorted(((k, _frozen(v)) for k, v in value.items()), key=repr))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+_CLASSES: dict[tuple[str, str, bool], type] = {}
+
+
+def record_class(module: str, name: str, unsafe: bool = False) -> type:
+    """The inert stand-in class for global ``module.name`` (one per name)."""
+    cls = _CLASSES.get((module, name, unsafe))
+    if cls is None:
+        base = Unsafe if unsafe else _RECORD_BASES.get((module, name), Record)
+        cls = _CLASSES[(module, name, unsafe)] = type(
+            name, (base,), {"_module": module, "_name": name, "__module__": "ckptool.record"})
+    return cls
+
+
+class _TensorProperties(Record):
     """DCP pickles TensorProperties as a tuple: (dtype, layout, requires_grad, memfmt, pin)."""
 
-    def __setstate__(self, state):
-        if isinstance(state, tuple):
-            self.dtype = state[0]
-        else:
-            super().__setstate__(state)
+    @property
+    def dtype(self):
+        state = self._state
+        return state[0] if isinstance(state, tuple) and state and isinstance(state[0], torch.dtype) \
+            else self.fields().get("dtype")
+
+
+_RECORD_BASES = {("torch.distributed.checkpoint.metadata", "TensorProperties"): _TensorProperties}
+
+
+# ------------------------------------------------------------------------ the allowlist
 
 
 def _path(*parts) -> str:
@@ -97,110 +179,205 @@ def _path(*parts) -> str:
     return posixpath.join(*map(str, parts)) if parts else ""
 
 
-_DCP_STANDINS: dict[tuple[str, str], type] = {
-    ("torch.distributed.checkpoint.metadata", "TensorProperties"): _TensorProperties,
-    **{("torch.distributed.checkpoint.metadata", name): type(name, (_Record,), {})
-       for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                    "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
-    **{("torch.distributed.checkpoint.filesystem", name): type(name, (_Record,), {})
-       for name in ("_StorageInfo", "_StoragePrefix")},
-    **{("torch.distributed.checkpoint.planner", name): type(name, (_Record,), {})
-       for name in ("WriteItemType", "LoadItemType")},
-}
-_RECORD_MODULES = ("torch.distributed.checkpoint.", "megatron.core.dist_checkpointing.")
-_PLAIN = {
-    ("torch", "Size"): tuple,
-    ("torch.serialization", "_get_layout"): str,
-    ("collections", "OrderedDict"): dict,
-    ("pathlib", "PosixPath"): _path,
-    ("pathlib", "PurePosixPath"): _path,
-    ("pathlib", "WindowsPath"): _path,
-    ("pathlib", "PureWindowsPath"): _path,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-}
+def _codecs_encode(text, encoding="latin1"):
+    return text.encode(encoding)
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file: BinaryIO, source: str):
+def _bytearray(*args):
+    """``bytearray`` of pickled bytes; never ``bytearray(n)``, which would allocate n bytes
+    that no file holds."""
+    if args and not isinstance(args[0], (bytes, bytearray, str)):
+        raise pickle.UnpicklingError("bytearray of a size, not of bytes")
+    return bytearray(*args)
+
+
+def _plain() -> dict[tuple[str, str], Any]:
+    """Constructors of plain data that run no code of consequence."""
+    plain: dict[tuple[str, str], Any] = {
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("argparse", "Namespace"): argparse.Namespace,
+        ("types", "SimpleNamespace"): types.SimpleNamespace,
+        ("builtins", "set"): set,
+        ("builtins", "frozenset"): frozenset,
+        ("builtins", "bytearray"): _bytearray,
+        ("builtins", "slice"): slice,
+        ("builtins", "complex"): complex,
+        ("_codecs", "encode"): _codecs_encode,
+        ("torch", "Size"): torch.Size,
+        ("torch", "device"): torch.device,
+        ("torch.serialization", "_get_layout"): str,
+        **{("pathlib", name): _path for name in
+           ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")},
+    }
+    try:
+        import numpy as np
+    except ImportError:  # numpy's RNG states then stay refused
+        return plain
+    core = getattr(np, "_core", None) or np.core
+    for mod in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        plain[(mod, "_reconstruct")] = core.multiarray._reconstruct
+        plain[(mod, "scalar")] = core.multiarray.scalar
+    plain[("numpy", "ndarray")] = np.ndarray
+    plain[("numpy", "dtype")] = np.dtype
+    for name in dir(getattr(np, "dtypes", ())):
+        if name.endswith("DType"):
+            plain[("numpy.dtypes", name)] = getattr(np.dtypes, name)
+    return plain
+
+
+_PLAIN = _plain()
+
+_RECORDS = frozenset({
+    # torch DCP's metadata (.metadata; Megatron-Core's torch_dist too)
+    *(("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "MetadataIndex", "StorageMeta", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+    *(("torch.distributed.checkpoint.filesystem", n) for n in ("_StorageInfo", "_StoragePrefix")),
+    *(("torch.distributed.checkpoint.planner", n) for n in (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadItemType", "ReadItem")),
+    # Megatron-Core's torch_dist planner data (older versions' classes too)
+    *(("megatron.core.dist_checkpointing.strategies.torch", n) for n in (
+        "MCoreSavePlan", "MCoreMetadata")),
+    # DeepSpeed's ZeRO files
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    # Megatron's args: enums
+    ("megatron.core.enums", "ModelType"),
+    ("megatron.core.transformer.enums", "AttnBackend"),
+    ("megatron.core.transformer.enums", "AttnMaskType"),
+    ("megatron.core.transformer.enums", "AttnType"),
+    ("megatron.core.transformer.enums", "LayerType"),
+    ("megatron.core.enums", "Fp8Recipe"),
+    ("megatron.core.rerun_state_machine", "RerunMode"),
+    ("megatron.model.enums", "AttnMaskType"),  # Megatron-DeepSpeed
+    ("megatron.model.enums", "AttnType"),
+    ("megatron.model.enums", "LayerType"),
+    ("megatron.model.enums", "PositionEmbeddingType"),
+})
+"""Known data classes of the peers, rebuilt as inert records. Only names whose
+construction and state are plain data belong here."""
+
+ALLOWLIST = frozenset(_PLAIN) | _RECORDS
+"""Every global a pickle may name (plus torch's dtypes, layouts, memory formats, storage
+types and tensor rebuild functions, which the unpickler handles itself)."""
+
+
+class Unpickler(pickle.Unpickler):
+    """The one unpickler: admits :data:`ALLOWLIST`, turns any other global into an
+    :class:`Unsafe` marker and lists it in ``refused`` (or, when pickles are trusted,
+    imports it). Subclasses add what their container needs (tensors, storages)."""
+
+    def __init__(self, file: BinaryIO):
         super().__init__(file)
-        self._source = source
+        self.refused: list[str] = []
 
     def find_class(self, module: str, name: str) -> Any:
-        found = _DCP_STANDINS.get((module, name)) or _PLAIN.get((module, name))
+        found = _PLAIN.get((module, name))
         if found is not None:
             return found
-        if module.startswith(_RECORD_MODULES):
-            # Planner data of DCP and of Megatron-Core's DCP strategy: plain data classes,
-            # rebuilt as inert records (their code is never imported).
-            return _DCP_STANDINS.setdefault((module, name), type(name, (_Record,), {}))
+        if (module, name) in _RECORDS:
+            return record_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
                                                                           torch.memory_format)):
             return getattr(torch, name)
-        raise UnsafePickle(f"refusing to unpickle {module}.{name}: it is not on the allowlist",
-                           path=self._source, hint=TRUST_HINT)
+        if (module, name) == ("copyreg", "__newobj__"):
+            return _newobj
+        if (module, name) == ("copyreg", "_reconstructor"):
+            return _reconstructor
+        if _TRUST:
+            return super().find_class(module, name)
+        self.refused.append(f"{module}.{name}")
+        return record_class(module, name, unsafe=True)
+
+
+def _newobj(cls, *args):
+    """``copyreg.__newobj__``: ``cls.__new__`` of a stand-in class; anything else refused."""
+    if isinstance(cls, type) and issubclass(cls, Record) or _TRUST:
+        return cls.__new__(cls, *args)
+    return record_class("copyreg", "__newobj__", unsafe=True)(cls, *args)
+
+
+def _reconstructor(cls, base, state):
+    """``copyreg._reconstructor`` (protocol 0/1 objects) of a stand-in class."""
+    if isinstance(cls, type) and issubclass(cls, Record):
+        return cls.__new__(cls)
+    if _TRUST:
+        import copyreg
+
+        return copyreg._reconstructor(cls, base, state)
+    return record_class("copyreg", "_reconstructor", unsafe=True)(cls, base, state)
 
 
 def load_dcp_metadata(data: bytes, source: str) -> Any:
-    """Unpickle a DCP ``.metadata`` into plain stand-in records; nothing else is admitted.
+    """Unpickle a DCP ``.metadata`` into inert records; a global outside the allowlist is
+    :class:`UnsafePickle` (nothing else of the checkpoint can be read without it).
 
     Records keep DCP's attribute names (``state_dict_metadata``, ``storage_data``,
     ``chunks``, ``offsets``...), so readers use them as DCP documents them.
     """
-    return _RestrictedUnpickler(io.BytesIO(data), source).load()
-
-
-# torch.load(weights_only=True) already admits tensors, dtypes and containers. What real
-# checkpoints add: Megatron's args Namespace and numpy RNG state.
-def _extra_safe_globals() -> list:
-    extra: list[Any] = [argparse.Namespace]
+    unpickler = Unpickler(io.BytesIO(data))
     try:
-        import numpy as np
-
-        core = getattr(np, "_core", None) or np.core
-        extra += [core.multiarray._reconstruct, np.ndarray, np.dtype]
-        extra += [type(np.dtype(t)) for t in ("uint32", "int64", "float32", "float64", "bool")]
-        extra += [np.dtypes.UInt32DType] if hasattr(np, "dtypes") else []
-    except Exception:  # numpy missing or very old: its RNG states then stay opaque
-        pass
-    return extra
-
-
-_SAFE_GLOBALS = _extra_safe_globals()
-_BLOCKED = re.compile(r"GLOBAL ([\w.]+)")
+        meta = unpickler.load()
+    except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError,
+            IndexError, TypeError, KeyError, RecursionError, MemoryError) as exc:
+        raise BadCheckpoint(f"DCP metadata cannot be parsed ({type(exc).__name__}: "
+                            f"{str(exc)[:120]})", path=source) from None
+    if unpickler.refused:
+        raise unsafe_error(source, None, unpickler.refused[0])
+    return meta
 
 
-def torch_load(data: bytes | BinaryIO, source: str, *, mmap: bool = False) -> Any:
-    """``torch.load`` on CPU with the allowlist.
-
-    Raises UnsafePickle naming the class when a global is not allowlisted, and
-    BadCheckpoint when the bytes are not a readable archive.
-    """
-    stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    try:
-        with torch.serialization.safe_globals(_SAFE_GLOBALS):
-            return torch.load(stream, map_location="cpu", weights_only=not _TRUST, mmap=mmap or None)
-    except pickle.UnpicklingError as exc:
-        found = _BLOCKED.search(str(exc))
-        if found is None:
-            raise BadCheckpoint(f"cannot be read: damaged pickle ({_first_line(exc)})",
-                                path=source) from None
-        raise UnsafePickle(f"refusing to unpickle {found.group(1)}: it is not on the allowlist",
-                           path=source, hint=TRUST_HINT) from None
-    except (RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError,
-            UnicodeDecodeError) as exc:
-        raise BadCheckpoint(f"cannot be read: damaged archive ({_first_line(exc)})",
-                            path=source) from None
+# ------------------------------------------------------------------------ findings
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:160] if text else type(exc).__name__
+@dataclass(frozen=True, slots=True)
+class UnsafeFinding:
+    """A pickled entry that names a global outside the allowlist."""
+
+    file: str
+    key: str | None
+    """Where in the file's object tree (``rng_state.np_rng_state``), when known."""
+    name: str
+    """The global the pickle wanted (``posix.mkdir``)."""
+
+    def error(self) -> UnsafePickle:
+        return unsafe_error(self.file, self.key, self.name)
 
 
-def torch_load_or_opaque(data: bytes, source: str) -> Any:
-    """Like :func:`torch_load`, but an object outside the allowlist comes back as Opaque."""
-    try:
-        return torch_load(data, source)
-    except UnsafePickle as exc:
-        return Opaque(bytes(data), exc.message)
+def unsafe_error(file: str, key: str | None, name: str) -> UnsafePickle:
+    entry = f"entry {key!r} " if key else ""
+    if " " in name:  # a description, not a global
+        return UnsafePickle(f"{entry or 'an entry '}is {name}, which ckptool does not read",
+                            path=file, hint=TRUST_HINT)
+    return UnsafePickle(f"{entry}pickles a call of {name}, which is not on the allowlist",
+                        path=file, hint=TRUST_HINT)
+
+
+def unsafe_in(tree: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    """``(path, global)`` of every :class:`Unsafe` marker in an object tree."""
+    stack = [(path, tree)]
+    seen: set[int] = set()
+    while stack:
+        where, obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Unsafe):
+            yield where, obj.qualified_name
+        if isinstance(obj, dict):
+            stack += [(f"{where}.{k}" if where else str(k), v) for k, v in obj.items()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack += [(f"{where}.{i}" if where else str(i), v) for i, v in enumerate(obj)]
+        elif isinstance(obj, Record):
+            stack += [(where, v) for v in (obj._args, obj._state, obj._items, obj._list)]
+        elif isinstance(obj, argparse.Namespace | types.SimpleNamespace):
+            stack += [(f"{where}.{k}" if where else k, v) for k, v in vars(obj).items()]
+
+
+def refuse_unsafe(obj: Any) -> None:
+    """Raise UnsafePickle for a marker about to be written (the last line of defence: a
+    hostile pickle is never copied into an output)."""
+    if isinstance(obj, Unsafe):
+        raise unsafe_error("the output", None, obj.qualified_name)

@@ -19,15 +19,17 @@ import errno
 import os
 import posixpath
 import re
+import stat
 import threading
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ckptool.core.errors import UnreadableInput, UsageError
+from ckptool.core.errors import (BadCheckpoint, DanglingPointer, NotRegularFile, PathEscape,
+                                 UnreadableInput, UsageError)
 
 TMP_MARK = ".tmp-"
 _TMP_RE = re.compile(r"\.tmp-[0-9a-zA-Z]+$")
@@ -47,7 +49,15 @@ def is_temporary(name: str) -> bool:
 
 @dataclass
 class Store:
-    """A directory on some fsspec filesystem. All paths given to methods are relative."""
+    """A directory on some fsspec filesystem. All paths given to methods are relative.
+
+    **Containment.** A checkpoint is untrusted input, and the paths its metadata names
+    (index entries, DCP storage paths, trackers, ``latest``) are read through this class
+    only. Every read checks the one rule (:meth:`contained`): the path is relative, has no
+    ``..`` and, on a local filesystem, resolves (symlinks followed) inside ``boundary``;
+    only regular files are opened, so a FIFO cannot block a read for ever. Writers'
+    paths pass the same lexical check.
+    """
 
     url: str
     fs: fsspec.AbstractFileSystem = field(repr=False)
@@ -57,6 +67,8 @@ class Store:
     object stores are durable once a PUT returns). ``False`` leaves the write-back to the
     kernel, as ``cp`` and ``torch.save`` do: faster, but a power loss or kernel crash soon
     after can leave files whose checksums fail."""
+    boundary: str | None = field(default=None, repr=False)
+    """The directory every read must stay inside (default: ``root``); see :func:`_boundary_of`."""
 
     @classmethod
     def open(cls, url: str) -> "Store":
@@ -65,7 +77,11 @@ class Store:
             fs, root = fsspec.core.url_to_fs(url, **_STORAGE_OPTIONS)
         except (ImportError, ValueError) as exc:
             raise UsageError(f"cannot open {url}: {exc}") from None
-        return cls(url.rstrip("/") if len(url) > 1 else url, fs, root.rstrip("/") or root)
+        root = root.rstrip("/") or root
+        store = cls(url.rstrip("/") if len(url) > 1 else url, fs, root)
+        if store.is_local:
+            store.boundary = _boundary_of(root)
+        return store
 
     @property
     def is_local(self) -> bool:
@@ -79,22 +95,67 @@ class Store:
         return posixpath.join(self.root, rel) if rel else self.root
 
     def child(self, rel: str) -> "Store":
+        """The directory ``rel`` as a store of its own, contained in itself."""
+        self.contained(rel)
         return Store(_join_url(self.url, rel), self.fs, self.path(rel), self.durable)
 
+    def contained(self, rel: str, *, named_by: str | None = None, key: str | None = None) -> str:
+        """``rel`` if reading it stays inside the checkpoint, else :class:`PathEscape` naming
+        the file that named it (``named_by``) and the entry (``key``). Local paths are
+        resolved, so a symlink whose target leaves the checkpoint is refused too."""
+        reason = path_problem(rel)
+        where = self.display(named_by) if named_by else self.display()
+        if reason is None and rel and self.is_local:
+            real = os.path.realpath(self.path(rel))
+            if not _within(real, self._real_boundary()):
+                reason = f"is a symlink to {real}, outside the checkpoint"
+                where = self.display(named_by) if named_by else self.display(rel)
+        if reason is None:
+            return rel
+        raise PathEscape(f"the path {rel!r} {reason}", path=where, key=key,
+                         hint="ckptool reads nothing outside the checkpoint; copy the files in "
+                              "(cp -rL) only if you trust them")
+
+    def _real_boundary(self) -> str:
+        real = self.__dict__.get("_real")
+        if real is None:
+            real = self.__dict__["_real"] = os.path.realpath(self.boundary or self.root)
+        return real
+
+    def _read_path(self, rel: str) -> str:
+        """The local path of a file to read: contained, and a regular file (else refused
+        before it is opened)."""
+        self.contained(rel)
+        path = self.path(rel)
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            raise UnreadableInput("file not found", path=self.display(rel)) from None
+        except OSError as exc:
+            raise UnreadableInput(f"cannot read ({exc.strerror})", path=self.display(rel)) from None
+        _require_regular(mode, self.display(rel))
+        return path
+
     def exists(self, rel: str = "") -> bool:
+        self.contained(rel)
         return self.fs.exists(self.path(rel))
 
     def isdir(self, rel: str = "") -> bool:
+        self.contained(rel)
         return self.fs.isdir(self.path(rel))
 
     def size(self, rel: str) -> int:
+        self.contained(rel)
         return int(self.fs.size(self.path(rel)))
 
     def ls(self, rel: str = "") -> list[tuple[str, bool]]:
-        """(name, is_dir) of the entries directly under ``rel``; [] when it is missing."""
+        """(name, is_dir) of the entries directly under ``rel``; [] when it is missing. A
+        symlink counts as what it points at when that is inside the checkpoint."""
+        self.contained(rel)
+        if self.is_local:
+            return self._ls_local(rel)
         try:
-            entries = self.fs.ls(self.path(rel), detail=True, refresh=True) \
-                if not self.is_local else self.fs.ls(self.path(rel), detail=True)
+            entries = self.fs.ls(self.path(rel), detail=True, refresh=True)
         except FileNotFoundError:
             return []
         base = self.path(rel).rstrip("/")
@@ -106,20 +167,92 @@ class Store:
             out.append((posixpath.basename(name), e["type"] == "directory"))
         return sorted(out)
 
+    def _ls_local(self, rel: str) -> list[tuple[str, bool]]:
+        try:
+            entries = list(os.scandir(self.path(rel)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        out = []
+        for e in entries:
+            is_dir = e.is_dir(follow_symlinks=False)
+            if e.is_symlink():
+                inner = posixpath.join(rel, e.name) if rel else e.name
+                is_dir = _within(os.path.realpath(e.path), self._real_boundary()) and \
+                    self.fs.isdir(self.path(inner))
+            out.append((e.name, is_dir))
+        return sorted(out)
+
     def files(self) -> dict[str, int]:
-        """Every file below this store: relative path -> size."""
-        found = self.fs.find(self.root, detail=True, withdirs=False)
-        prefix = self.root.rstrip("/") + "/"
-        return {name[len(prefix):]: int(info["size"]) for name, info in found.items()
-                if name.startswith(prefix)}
+        """Every regular file below this store that reading may touch: relative path -> size.
+        What is refused (symlinks out, FIFOs...) is in :meth:`refused`."""
+        return self._walk()[0]
+
+    def refused(self) -> dict[str, str]:
+        """Entries below this store that no read will open: relative path -> why (a symlink
+        whose target leaves the checkpoint, a FIFO, a device or a socket)."""
+        return self._walk()[1]
+
+    def _walk(self) -> tuple[dict[str, int], dict[str, str]]:
+        if not self.is_local:
+            found = self.fs.find(self.root, detail=True, withdirs=False)
+            prefix = self.root.rstrip("/") + "/"
+            return {name[len(prefix):]: int(info["size"]) for name, info in found.items()
+                    if name.startswith(prefix)}, {}
+        files: dict[str, int] = {}
+        refused: dict[str, str] = {}
+        boundary = self._real_boundary()
+        pending = [""]
+        seen: set[str] = set()
+        while pending:
+            rel = pending.pop()
+            try:
+                entries = list(os.scandir(self.path(rel)))
+            except OSError:
+                continue
+            for e in entries:
+                inner = posixpath.join(rel, e.name) if rel else e.name
+                if e.is_symlink():
+                    real = os.path.realpath(e.path)
+                    if not _within(real, boundary):
+                        refused[inner] = f"is a symlink to {real}, outside the checkpoint"
+                        continue
+                try:
+                    st = os.stat(e.path)
+                except OSError:
+                    refused[inner] = "is a dangling symlink"
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    real = os.path.realpath(e.path)
+                    if real not in seen:  # a symlink loop inside the checkpoint ends here
+                        seen.add(real)
+                        pending.append(inner)
+                elif stat.S_ISREG(st.st_mode):
+                    files[inner] = st.st_size
+                else:
+                    refused[inner] = f"is a {_kind(st.st_mode)}, not a regular file"
+        return files, refused
 
     def open_file(self, rel: str, mode: str = "rb", **kwargs):
+        if self.is_local and mode == "rb":
+            return os.fdopen(_open_regular(self._read_path(rel), self.display(rel)), "rb")
+        self.contained(rel)
         try:
             return self.fs.open(self.path(rel), mode, **kwargs)
         except FileNotFoundError:
             raise UnreadableInput("file not found", path=_join_url(self.url, rel)) from None
 
     def read_bytes(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of a file, never more than it holds (a length a header
+        claims is not an allocation)."""
+        if self.is_local:
+            reader = RangeReader(self, rel)
+            try:
+                begin = 0 if start is None else start if start >= 0 else max(0, reader.size + start)
+                stop = reader.size if end is None else end if end >= 0 else reader.size + end
+                return reader(begin, stop)
+            finally:
+                reader.close()
+        self.contained(rel)
         try:
             return self.fs.cat_file(self.path(rel), start=start, end=end)
         except FileNotFoundError:
@@ -130,6 +263,7 @@ class Store:
         return RangeReader(self, rel)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
+        self.contained(rel)
         with self.fs.open(self.path(rel), "wb") as f:
             f.write(data)
             if self.durable and self.is_local:
@@ -140,6 +274,63 @@ class Store:
         return _join_url(self.url, rel) if rel else self.url
 
 
+def path_problem(rel) -> str | None:
+    """Why ``rel`` is not a plain relative path inside its directory, or None."""
+    if not isinstance(rel, str):
+        return f"is not a path ({type(rel).__name__})"
+    if "\x00" in rel:
+        return "holds a NUL byte"
+    if rel.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", rel) or "://" in rel:
+        return "is absolute"
+    if any(part == ".." for part in re.split(r"[/\\]", rel)):
+        return "leaves the checkpoint (..)"
+    return None
+
+
+def _within(real: str, boundary: str) -> bool:
+    return real == boundary or real.startswith(boundary.rstrip("/") + "/")
+
+
+_HUB_SNAPSHOT = re.compile(r"^(?P<repo>.*/(models|datasets)--[^/]+)/snapshots/[^/]+$")
+
+
+def _boundary_of(root: str) -> str:
+    """What a local checkpoint's reads must stay inside: the directory itself, except for a
+    Hugging Face hub cache snapshot (``models--org--name/snapshots/<rev>/``), whose files are
+    symlinks into the repository's own ``blobs/``: there, the repository's cache directory."""
+    m = _HUB_SNAPSHOT.match(os.path.realpath(root))
+    return m.group("repo") if m else root
+
+
+def _kind(mode: int) -> str:
+    return ("FIFO" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else
+            "character device" if stat.S_ISCHR(mode) else "block device" if stat.S_ISBLK(mode)
+            else "directory" if stat.S_ISDIR(mode) else "special file")
+
+
+def _require_regular(mode: int, where: str) -> None:
+    if not stat.S_ISREG(mode):
+        raise NotRegularFile(f"is a {_kind(mode)}, not a regular file", path=where,
+                             hint="A checkpoint holds regular files only; remove it")
+
+
+def _open_regular(path: str, where: str) -> int:
+    """A read-only descriptor of the regular file ``path``. Opened non-blocking and checked
+    again after opening, so a file swapped for a FIFO cannot block."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise UnreadableInput("file not found", path=where) from None
+    except OSError as exc:
+        raise UnreadableInput(f"cannot read ({exc.strerror})", path=where) from None
+    try:
+        _require_regular(os.fstat(fd).st_mode, where)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class RangeReader:
     """``reader(start, end) -> bytes`` over one file; ``size`` is known up front."""
 
@@ -147,18 +338,24 @@ class RangeReader:
         self._fd: int | None = None  # set first: close() and __del__ run even if opening fails
         self._file = None
         self.source = store.display(rel)
-        try:
-            if store.is_local:
-                self._fd = os.open(store.path(rel), os.O_RDONLY)
-                self.size = os.fstat(self._fd).st_size
-            else:
+        if store.is_local:
+            self._fd = _open_regular(store._read_path(rel), self.source)
+            self.size = os.fstat(self._fd).st_size
+        else:
+            store.contained(rel)
+            try:
                 self._file = store.fs.open(store.path(rel), "rb", block_size=8 << 20)
-                self.size = int(self._file.size)
-        except FileNotFoundError:
-            raise UnreadableInput("file not found", path=self.source) from None
+            except FileNotFoundError:
+                raise UnreadableInput("file not found", path=self.source) from None
+            self.size = int(self._file.size)
         self._lock = threading.Lock()
 
     def __call__(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)``; fewer when the file ends first (never an allocation of
+        what the caller asked beyond the file's size)."""
+        end = min(end, self.size)
+        if end <= start:
+            return b""
         if self._fd is not None:
             data = os.pread(self._fd, end - start, start)
             if len(data) < end - start and data:  # a single pread stops at 2 GiB
@@ -209,6 +406,31 @@ class RangeReader:
             self.close()
         except OSError:
             pass
+
+
+_POINTER_BYTES = 4096
+
+
+def pointed_dir(store: Store, pointer: str, name_of: Callable[[str], str | None] = lambda t: t) -> str | None:
+    """The directory that the pointer file ``pointer`` names (Megatron's tracker, DeepSpeed's
+    ``latest``), or None when there is no such file: the one rule for every pointer.
+
+    ``name_of`` turns the file's text into a directory name (None: the text is not one).
+    The directory must exist inside the checkpoint; a pointer to a missing one is
+    :class:`DanglingPointer`, never a substitution by another checkpoint."""
+    if not store.exists(pointer) or store.isdir(pointer):
+        return None
+    text = store.read_bytes(pointer, 0, _POINTER_BYTES).decode(errors="replace").strip()
+    name = name_of(text) if text else None
+    if not name:
+        raise BadCheckpoint(f"{pointer} holds {text[:60]!r}, which names no checkpoint",
+                            path=store.display(pointer), hint="Fix or remove the file")
+    store.contained(name, named_by=pointer)
+    if not store.isdir(name):
+        raise DanglingPointer(f"{pointer} names {name}, which does not exist",
+                              path=store.display(pointer),
+                              hint="Point it at an existing checkpoint, or name one directly")
+    return name
 
 
 def _join_url(url: str, rel: str) -> str:

@@ -4,17 +4,16 @@ A ``torch.save`` file is an uncompressed zip: ``archive/data.pkl`` (the pickled 
 whose tensors refer to storages by key) and ``archive/data/<key>`` (each storage's raw
 bytes). ckptool reads it without ``torch.load``:
 
-* the pickle goes through a restricted unpickler in which tensors become
-  :class:`TensorRef` (storage key, offset, shape, dtype: no bytes are read) and any class
-  outside the allowlist becomes an inert :class:`OpaqueObject` that remembers its name and
-  arguments (nothing is imported or run);
+* the pickle goes through ckptool's one unpickler (:mod:`ckptool.core.safe_pickle`), in
+  which tensors become :class:`TensorRef` (storage key, offset, shape, dtype: no bytes are
+  read) and allowlisted classes inert records (nothing is imported or run);
 * bytes are fetched by range (``pread`` locally, range requests on object stores), so a
   reshard reads only the regions it needs and holds none of the file in memory.
 
 :func:`save` writes the same format as a stream: the pickle first, then each tensor's
-bytes as it is produced, so a writer holds one tensor at a time. Opaque objects are
-written back under their original names, so what ckptool could not interpret survives
-unchanged.
+bytes as it is produced, so a writer holds one tensor at a time. Records are written
+back under their original names, so what ckptool carries survives unchanged; a global
+outside the allowlist is never written.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from typing import Any, BinaryIO, Callable
 import torch
 
 from ckptool.core.errors import BadCheckpoint
+from ckptool.core.safe_pickle import Record, Unpickler, record_class, refuse_unsafe, unsafe_in
 
 _STORAGE_DTYPES = {
     "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
@@ -76,196 +76,169 @@ class TensorRef:
         return all(n == 1 or s == e for n, s, e in zip(self.shape, self.stride, reversed(expect)))
 
 
-class OpaqueObject:
-    """An object of a class outside the allowlist: its global name, arguments and state.
-
-    Built by the unpickler instead of the real class (which is never imported), and
-    pickled back under the original name with the same arguments and state.
-    """
-
-    _opaque_module = "?"
-    _opaque_name = "?"
-
-    def __new__(cls, *args):
-        obj = object.__new__(cls)
-        obj._args, obj._state, obj._via_new = args, None, True
-        obj._items, obj._list = {}, []
-        return obj
-
-    def __init__(self, *args):
-        self._args, self._via_new = args, False
-
-    def __setstate__(self, state):
-        self._state = state
-
-    def __deepcopy__(self, memo):  # copy's default would feed our fields to __setstate__
-        import copy
-
-        new = object.__new__(type(self))
-        memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return new
-
-    def __setitem__(self, key, value):  # dict subclasses
-        self._items[key] = value
-
-    def append(self, value):  # list subclasses
-        self._list.append(value)
-
-    def extend(self, values):
-        self._list.extend(values)
-
-    @property
-    def qualified_name(self) -> str:
-        return f"{self._opaque_module}.{self._opaque_name}"
-
-    def __repr__(self) -> str:
-        return f"<opaque {self.qualified_name}{self._args!r}>"
-
-    def __eq__(self, other):
-        return isinstance(other, OpaqueObject) and self.qualified_name == other.qualified_name \
-            and (self._args, self._state, self._items, self._list) == \
-            (other._args, other._state, other._items, other._list)
-
-    __hash__ = None
+def _check_extent(ref: "TensorRef", source: str) -> None:
+    """A tensor's elements lie inside its storage (shape and strides from the pickle)."""
+    if any(n < 0 for n in ref.shape) or any(st < 0 for st in ref.stride) or ref.offset < 0 \
+            or len(ref.stride) != len(ref.shape):
+        raise BadCheckpoint(f"tensor of shape {list(ref.shape)[:8]} has a negative size, stride or "
+                            "offset", path=source)
+    if ref.numel and ref.offset + sum((n - 1) * st for n, st in zip(ref.shape, ref.stride)) \
+            >= ref.storage.numel:
+        raise BadCheckpoint(f"tensor of shape {list(ref.shape)[:8]} reaches past its storage "
+                            f"{ref.storage.key} ({ref.storage.numel} elements)", path=source)
 
 
-_OPAQUE_TYPES: dict[tuple[str, str], type] = {}
+_TENSOR_TYPES = {("torch._tensor", "Tensor"), ("torch", "Tensor"), ("torch.nn.parameter", "Parameter")}
+"""Tensor types whose ``_rebuild_from_type_v2`` is read as the plain tensor."""
 
 
-def _opaque_class(module: str, name: str) -> type:
-    cls = _OPAQUE_TYPES.get((module, name))
-    if cls is None:
-        cls = _OPAQUE_TYPES[(module, name)] = type(
-            name, (OpaqueObject,), {"_opaque_module": module, "_opaque_name": name,
-                                    "__module__": "ckptool.opaque"})
-    return cls
-
-
-def _safe_globals() -> dict[tuple[str, str], Any]:
-    import argparse
-    import types
-
-    safe = {
-        ("collections", "OrderedDict"): collections.OrderedDict,
-        ("argparse", "Namespace"): argparse.Namespace,
-        ("types", "SimpleNamespace"): types.SimpleNamespace,
-        ("builtins", "set"): set,
-        ("builtins", "frozenset"): frozenset,
-        ("builtins", "bytearray"): bytearray,
-        ("builtins", "slice"): slice,
-        ("builtins", "complex"): complex,
-        ("_codecs", "encode"): _codecs_encode,
-        ("torch", "Size"): torch.Size,
-    }
-    try:
-        import numpy as np
-
-        core = "numpy._core.multiarray" if hasattr(np, "_core") else "numpy.core.multiarray"
-        reconstruct = getattr(np, "_core", None) or np.core
-        for mod in ("numpy._core.multiarray", "numpy.core.multiarray", core):
-            safe[(mod, "_reconstruct")] = reconstruct.multiarray._reconstruct
-            safe[(mod, "scalar")] = reconstruct.multiarray.scalar
-        safe[("numpy", "ndarray")] = np.ndarray
-        safe[("numpy", "dtype")] = np.dtype
-        for name in dir(np.dtypes) if hasattr(np, "dtypes") else ():
-            if name.endswith("DType"):
-                safe[("numpy.dtypes", name)] = getattr(np.dtypes, name)
-    except ImportError:
-        pass
-    return safe
-
-
-def _codecs_encode(text, encoding="latin1"):
-    return text.encode(encoding)
-
-
-_SAFE = _safe_globals()
-
-
-def _rebuild_tensor(storage, offset, size, stride, *rest):
-    return TensorRef(storage, int(offset), tuple(size), tuple(stride))
-
-
-_PLAIN_TENSOR_TYPES = ("torch._tensor.Tensor", "torch.Tensor", "torch.nn.parameter.Parameter")
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, *state):
+    """``torch._utils._rebuild_parameter[_with_state]``: a Parameter is read as its tensor."""
+    return data
 
 
 def _rebuild_from_type(func, new_type, args, state):
     """``torch._tensor._rebuild_from_type_v2``: a plain tensor or Parameter that carries Python
     attributes (e.g. DeepSpeed's ``ds_id`` on ZeRO-3 partitions). It is read as the plain
-    tensor, without those attributes; any other type stays opaque."""
+    tensor, without those attributes; any other type is refused."""
     result = func(*args)
-    if isinstance(result, TensorRef) and isinstance(new_type, type) \
-            and issubclass(new_type, OpaqueObject) \
-            and f"{new_type._opaque_module}.{new_type._opaque_name}" in _PLAIN_TENSOR_TYPES:
+    if isinstance(result, TensorRef) and isinstance(new_type, type) and issubclass(new_type, Record) \
+            and not new_type.unsafe and (new_type._module, new_type._name) in _TENSOR_TYPES:
         return result
-    return _opaque_class("torch._tensor", "_rebuild_from_type_v2")(func, new_type, args, state)
+    if isinstance(result, TensorRef) and new_type in (torch.Tensor, torch.nn.Parameter):
+        return result  # trusted pickles import the real classes
+    return record_class("torch._tensor", "_rebuild_from_type_v2", unsafe=True)(func, new_type, args, state)
 
 
-def _newobj(cls, *args):
-    """``copyreg.__newobj__`` (what older ckptool output wrote for NEWOBJ): ``cls.__new__``
-    when ``cls`` is an inert opaque class, else itself opaque."""
-    if isinstance(cls, type) and issubclass(cls, OpaqueObject):
-        return cls.__new__(cls, *args)
-    return _opaque_class("copyreg", "__newobj__")(cls, *args)
 
 
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(Unpickler):
+    """The allowlisted unpickler, with tensors as :class:`TensorRef` (no bytes read)."""
+
+    def __init__(self, file):
+        super().__init__(file)
+        self.storages: list[StorageRef] = []
+        self.tensors: list[TensorRef] = []
+
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _SAFE:
-            return _SAFE[(module, name)]
         if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor"):
-            return _rebuild_tensor
+            return self._rebuild_tensor
+        if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
+            return _rebuild_parameter
         if module == "torch._tensor" and name == "_rebuild_from_type_v2":
             return _rebuild_from_type
+        if (module, name) in _TENSOR_TYPES:
+            return record_class(module, name)  # only as _rebuild_from_type_v2's new_type
         if module == "torch" and name in _STORAGE_DTYPES:
             return _STORAGE_DTYPES[name]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) == ("copyreg", "__newobj__"):
-            return _newobj
-        return _opaque_class(module, name)
+        return super().find_class(module, name)
+
+    def _rebuild_tensor(self, storage, offset, size, stride, *rest):
+        if not isinstance(storage, StorageRef):
+            raise pickle.UnpicklingError("a tensor without a storage")
+        try:
+            ref = TensorRef(storage, int(offset), tuple(int(n) for n in size),
+                            tuple(int(n) for n in stride))
+        except (TypeError, ValueError):
+            raise pickle.UnpicklingError("a tensor with a malformed shape") from None
+        self.tensors.append(ref)
+        return ref
 
     def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
-            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unknown persistent id {str(pid)[:80]}")
         _, dtype, key, _location, numel = pid
         if not isinstance(dtype, torch.dtype):
             dtype = torch.uint8  # an untyped storage
-        return StorageRef(str(key), dtype, int(numel))
+        if not isinstance(numel, int) or numel < 0:
+            raise pickle.UnpicklingError(f"storage {str(key)[:40]} has {str(numel)[:40]} elements")
+        storage = StorageRef(str(key), dtype, numel)
+        self.storages.append(storage)
+        return storage
 
 
 class TorchFile:
-    """The index of one torch.save archive: the object tree and where each storage is."""
+    """The index of one torch.save archive: the object tree and where each storage is.
+
+    Opening checks the container from its metadata alone (no tensor bytes are read): every
+    record of the zip's central directory has its local header, under the same name,
+    inside the file, without overlap; every storage the pickle names is a record holding
+    its bytes; every tensor lies inside its storage. A damaged or hostile archive is
+    :class:`BadCheckpoint` here, never an allocation of what it claims. Globals outside
+    the allowlist are listed in ``unsafe`` (``(entry, global)``), never imported.
+    """
 
     def __init__(self, read: Callable[[int, int], bytes], size: int, source: str):
         self.source = source
         self._read = read
         self._size = size
         self._offsets: dict[str, int] = {}
+        sizes: dict[str, int] = {}
         try:
             zf = zipfile.ZipFile(_RangeFile(read, size))
             infos = zf.infolist()
-        except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        except (zipfile.BadZipFile, OSError, ValueError, struct.error, EOFError) as exc:
             raise BadCheckpoint(f"not a readable torch.save archive ({exc})", path=source) from None
         pkl = None
+        ends = []
         for info in infos:
             if info.compress_type != zipfile.ZIP_STORED:
                 raise BadCheckpoint("compressed torch.save archive", path=source)
-            header = read(info.header_offset, info.header_offset + 30)
-            name_len, extra_len = struct.unpack("<HH", header[26:30])
-            start = info.header_offset + 30 + name_len + extra_len
+            start = self._record_start(info)
+            ends.append((info.header_offset, start + info.file_size, info.filename))
             _, _, rest = info.filename.partition("/")
             if rest == "data.pkl":
                 pkl = read(start, start + info.file_size)
             elif rest.startswith("data/"):
                 self._offsets[rest[len("data/"):]] = start
+                sizes[rest[len("data/"):]] = info.file_size
+        ends.sort()
+        for (_, end, name), (next_header, _, next_name) in zip(ends, ends[1:]):
+            if end > next_header:
+                raise BadCheckpoint(f"records {name} and {next_name} overlap", path=source)
         if pkl is None:
             raise BadCheckpoint("torch.save archive without data.pkl", path=source)
+        unpickler = _Unpickler(io.BytesIO(pkl))
         try:
-            self.obj = _Unpickler(io.BytesIO(pkl)).load()
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
-            raise BadCheckpoint(f"damaged pickle in torch.save archive ({exc})", path=source) from None
+            self.obj = unpickler.load()
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
+                KeyError, RecursionError, MemoryError, OverflowError) as exc:
+            raise BadCheckpoint(f"damaged pickle in torch.save archive ({type(exc).__name__}: "
+                                f"{str(exc)[:120]})", path=source) from None
+        for storage in unpickler.storages:
+            have = sizes.get(storage.key)
+            need = storage.numel * storage.dtype.itemsize
+            if have is None:
+                raise BadCheckpoint(f"storage {storage.key} is missing from the archive", path=source)
+            if have < need:
+                raise BadCheckpoint(f"storage {storage.key} holds {have} bytes, its tensors need "
+                                    f"{need}", path=source)
+        for ref in unpickler.tensors:
+            _check_extent(ref, source)
+        self.unsafe = list(unsafe_in(self.obj)) if unpickler.refused else []
+        """``(entry, global)`` of each object whose pickle names a global outside the allowlist."""
+
+    def _record_start(self, info: zipfile.ZipInfo) -> int:
+        """Where a record's bytes start, after checking its local header against the
+        central directory (a renamed or moved record is a damaged archive)."""
+        header = self._read(info.header_offset, info.header_offset + 30)
+        if len(header) < 30 or header[:4] != b"PK\x03\x04":
+            raise BadCheckpoint(f"record {info.filename} has no local header at byte "
+                                f"{info.header_offset}", path=self.source)
+        flags, name_len, extra_len = struct.unpack("<H", header[6:8])[0], *struct.unpack("<HH", header[26:30])
+        name = self._read(info.header_offset + 30, info.header_offset + 30 + name_len)
+        if name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+            raise BadCheckpoint(f"record {info.filename} is named "
+                                f"{name.decode(errors='replace')!r} in its local header", path=self.source)
+        local = struct.unpack("<II", header[18:26])
+        if not flags & 0x08 and 0xFFFFFFFF not in local and local != (info.compress_size, info.file_size):
+            raise BadCheckpoint(f"record {info.filename}: its local header says {local[1]} bytes, "
+                                f"the central directory {info.file_size}", path=self.source)
+        start = info.header_offset + 30 + name_len + extra_len
+        if start + info.file_size > self._size:
+            raise BadCheckpoint(f"record {info.filename} runs past the end of the file "
+                                f"({start + info.file_size} > {self._size} bytes)", path=self.source)
+        return start
 
     def read_into(self, ref: TensorRef, start: int, out: torch.Tensor) -> None:
         """Fill the contiguous 1-D ``out`` with elements from flat element ``start``,
@@ -328,16 +301,22 @@ class TorchFile:
 
     def materialize(self, tree: Any) -> Any:
         """The object tree with every TensorRef read into a real tensor."""
+        try:
+            return self._materialize(tree)
+        except RecursionError:
+            raise BadCheckpoint("the pickled object tree is nested too deeply", path=self.source) from None
+
+    def _materialize(self, tree: Any) -> Any:
         if isinstance(tree, TensorRef):
             return self.load(tree)
         if isinstance(tree, dict):
-            return type(tree)((k, self.materialize(v)) for k, v in tree.items()) \
+            return type(tree)((k, self._materialize(v)) for k, v in tree.items()) \
                 if not isinstance(tree, collections.OrderedDict) else \
-                collections.OrderedDict((k, self.materialize(v)) for k, v in tree.items())
+                collections.OrderedDict((k, self._materialize(v)) for k, v in tree.items())
         if isinstance(tree, list):
-            return [self.materialize(v) for v in tree]
+            return [self._materialize(v) for v in tree]
         if isinstance(tree, tuple):
-            return tuple(self.materialize(v) for v in tree)
+            return tuple(self._materialize(v) for v in tree)
         return tree
 
 
@@ -411,12 +390,13 @@ class _Pickler(pickle._Pickler):  # the pure-Python pickler: it lets us write GL
             slot = self._slot(obj.dtype, math.prod(shape), obj)
             return (_GLOBAL_REBUILD, (slot, 0, torch.Size(shape), tuple(reversed(strides)), False,
                                       collections.OrderedDict()))
-        if isinstance(obj, OpaqueObject):  # built by NEWOBJ (cls.__new__) or by calling cls
+        if isinstance(obj, Record):  # built by NEWOBJ (cls.__new__) or by calling cls
+            refuse_unsafe(obj)
             func, args = ((_NEWOBJ, (type(obj), *obj._args)) if obj._via_new
-                          else (_Global(obj._opaque_module, obj._opaque_name), obj._args))
+                          else (_Global(obj._module, obj._name), obj._args))
             return (func, args, obj._state, iter(obj._list) if obj._list else None,
                     iter(obj._items.items()) if obj._items else None)
-        if isinstance(obj, type) and issubclass(obj, OpaqueObject):
+        if isinstance(obj, type) and issubclass(obj, Record):
             return NotImplemented
         return NotImplemented
 
@@ -427,8 +407,9 @@ class _Pickler(pickle._Pickler):  # the pure-Python pickler: it lets us write GL
         return None
 
     def save_global(self, obj, name=None):
-        if isinstance(obj, type) and issubclass(obj, OpaqueObject):  # an opaque class as an argument
-            obj = _Global(obj._opaque_module, obj._opaque_name)  # (copyreg.__newobj__ read back)
+        if isinstance(obj, type) and issubclass(obj, Record):  # a stand-in class as an argument
+            refuse_unsafe(obj.__new__(obj))  # (copyreg.__newobj__ read back)
+            obj = _Global(obj._module, obj._name)
         if isinstance(obj, _Global):
             self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
             self.memoize(obj)

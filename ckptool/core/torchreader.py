@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ckptool.core.errors import BadCheckpoint, UnreadableInput
+from ckptool.core.errors import BadCheckpoint
 from ckptool.core.index import Piece, Reader
 from ckptool.core.manifest import HashingWriter
 from ckptool.core.regions import byte_runs
@@ -31,11 +31,7 @@ class TorchFileReader(Reader):
     def _load(self, store: Store, rel: str) -> TorchFile:
         """The file's archive index (cached); tensors stay on disk until a box is read."""
         if rel not in self._files:
-            try:
-                read = store.range_reader(rel)
-            except UnreadableInput:
-                raise BadCheckpoint("file is missing", path=store.display(rel)) from None
-            archive = TorchFile(read, read.size, store.display(rel))
+            archive = self.open_archive(store, rel)
             if not isinstance(archive.obj, dict) and not self.accepts_non_dict(rel):
                 raise BadCheckpoint("file does not hold a dict", path=store.display(rel))
             self._files[rel] = archive

@@ -149,3 +149,9 @@ class ViewReader(Reader):
 
     def read_object(self, store: Store, obj):
         return self.inner.read_object(store, obj)
+
+    def note_unsafe(self, source, found, key=None) -> None:
+        self.inner.note_unsafe(source, found, key)
+
+    def unsafe_pickles(self):
+        return self.inner.unsafe_pickles()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ckptool.checkpoint import open_checkpoint
+from ckptool.checkpoint import open_checkpoint, unsafe_pickles
+from ckptool.core.safe_pickle import trusted
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,8 @@ class InspectResult:
     optimizer: str | None = None
     """The optimizer state it holds, mapped to parameters, or why it cannot be (then no
     writer carries it); None when it holds none."""
+    warnings: list[str] = field(default_factory=list)
+    """What every other command refuses: pickles that name globals outside the allowlist."""
 
 
 def _dtype_name(dtype) -> str:
@@ -69,6 +72,7 @@ def inspect(url: str, *, top: int = 10) -> InspectResult:
         by_dtype[_dtype_name(t.dtype)] = by_dtype.get(_dtype_name(t.dtype), 0) + t.nbytes
     largest = sorted(index.tensors.values(), key=lambda t: (-t.nbytes, t.key))[:top]
     committed = True if opened.manifest else (False if index.written_by_ckptool else None)
+    warnings = [] if trusted() else [f.error().one_line() for f in unsafe_pickles(opened)]
     return InspectResult(
         path=opened.store.url, format=opened.format, format_version=index.format_version,
         committed=committed, topology=index.topology.to_dict() if index.topology else None,
@@ -78,4 +82,4 @@ def inspect(url: str, *, top: int = 10) -> InspectResult:
         bytes_by_dtype=dict(sorted(by_dtype.items(), key=lambda kv: -kv[1])),
         largest=[TensorSummary(t.key, list(t.shape), _dtype_name(t.dtype), t.nbytes, len(t.pieces))
                  for t in largest],
-        objects=sorted(index.objects), optimizer=_optimizer(index))
+        objects=sorted(index.objects), optimizer=_optimizer(index), warnings=warnings)

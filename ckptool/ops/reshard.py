@@ -17,12 +17,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import converters
-from ckptool.checkpoint import Opened, open_checkpoint
+from ckptool.checkpoint import Opened, open_checkpoint, require_safe_pickles, resolve
 from ckptool.core.engine import Scratch, ScratchPool, bytes_read, file_spans, fill_tensor
 from ckptool.core.errors import CkptoolError, UsageError, UnsupportedFormat
 from ckptool.core.layout import check as check_layout
 from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifest
 from ckptool.core.storage import Store, atomic_output, fsync
+from converters.hf_schema import refuse_uncarried_config
+from converters.megatron_common import refuse_uncarried_args
 from converters.megatron_optimizer import state_key
 
 RESHARDABLE = ("megatron", "megatron-dist", "dcp", "deepspeed")
@@ -88,13 +90,25 @@ def convert(src: str, dst: str, *, to_format: str, to: dict | None = None, worke
 
     ``names`` picks the target's tensor-name schema where the format has several (Megatron:
     ``mcore-local``, ``mcore-te``, ``legacy``); by default the source's, else the format's default.
-    ``model_family`` names the Hugging Face family (``llama``, ``gpt2``) where it cannot be
-    inferred; ``model_config`` is a Hugging Face ``config.json`` for a source that does not say
-    what model it holds (a DeepSpeed checkpoint without one beside ``latest``); ``options`` are the target format's own (hf: ``max_shard_size``, ``dtype``).
+    ``model_family`` names the Hugging Face family (``llama``, ``gpt2``) on whichever side is
+    Hugging Face: the source's schema where its reader takes one (hf, DeepSpeed with an HF
+    model's names), and the hf output's, checked against the model. ``model_config`` is a
+    Hugging Face ``config.json`` for a source that does not say what model it holds (a
+    DeepSpeed checkpoint without one beside ``latest``); ``options`` are the target format's
+    own (hf: ``max_shard_size``, ``dtype``).
     ``init_optimizer`` gives a weights-only source a fresh optimizer state (fp32 masters,
     zero moments, step 0) where the target format holds one; never done unasked.
     """
-    opened = open_checkpoint(src, model_family=model_family, model_config=model_config)
+    store = resolve(src)
+    source_format = converters.require_format(store)
+    reads_family = hasattr(converters.reader_class(source_format), "model_family")
+    if model_family and not reads_family and to_format != "hf":
+        raise UsageError(f"--model-family names a Hugging Face schema, and neither the {source_format} "
+                         f"input nor the {to_format} output has one", path=store.url,
+                         hint="It applies to hf input or output, and to DeepSpeed checkpoints of HF "
+                              "models; drop it")
+    opened = open_checkpoint(store, model_family=model_family if reads_family else None,
+                             model_config=model_config)
     options = {k: v for k, v in (options or {}).items() if v is not None}
     if model_family and to_format == "hf":
         options["model_family"] = model_family
@@ -112,6 +126,7 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
     """The one path for reshard and convert: plan the target files, fill them region by
     region from the source, commit atomically."""
     started = time.perf_counter()
+    require_safe_pickles(opened)
     writer = converters.writer(fmt)
     if fmt != opened.format:
         opened = opened.canonical() if writer.canonical_source else opened.native()
@@ -131,6 +146,9 @@ def rewrite(opened: Opened, dst: str, fmt: str, *, to: dict, expect: dict | None
     if "pp" in changes and "vpp" not in changes and changes["pp"] != source_topo.pp:
         changes["vpp"] = 1
     writer.configure(**(options or {}))
+    # nothing that changes the model's math is dropped: each field is carried or refused here
+    refuse_uncarried_config(index, fmt)
+    refuse_uncarried_args(index, fmt)
     target_topo = writer.target_topology(source_topo, changes)
     uncarried = writer.unsupported_state(index)
     if uncarried and not drop_optimizer:
@@ -229,6 +247,7 @@ def _write_output(opened, dst, fmt, group, writer, plan, index, spec, target_top
                            seconds=time.perf_counter() - started)
         status = None
         try:
+            require_safe_pickles(opened)  # files first read while writing were checked too
             extra = writer.finalize(store, index)
             for rel, (size, digest) in hash_files(store, extra).items():
                 entries.append(FileEntry(rel, size, digest))

@@ -26,13 +26,14 @@ from typing import Callable
 import torch
 
 import converters
-from ckptool.checkpoint import merge_manifest, resolve
+from ckptool.checkpoint import merge_manifest, read_index, resolve
 from ckptool.core.errors import BadCheckpoint, CkptoolError, UsageError
 from ckptool.core.index import CheckpointIndex, Reader
 from ckptool.core.manifest import MANIFEST, Manifest, build_manifest, hash_files, read_manifest, \
     write_manifest
 from ckptool.core.regions import coverage_problems, plan_copies
-from ckptool.core.safe_pickle import Opaque
+from ckptool.core.errors import UnsafePickle
+from ckptool.core.safe_pickle import trusted
 from ckptool.core.storage import Store, is_temporary
 
 Progress = Callable[[int], object]
@@ -41,7 +42,8 @@ Progress = Callable[[int], object]
 @dataclass(frozen=True, slots=True)
 class Problem:
     kind: str
-    """missing, size, checksum, uncommitted, metadata, coverage, unreadable, nonfinite, extra."""
+    """missing, size, checksum, uncommitted, metadata, coverage, unreadable, nonfinite, extra,
+    pickle (a global outside the allowlist), unsafe-path (a symlink out, a FIFO...)."""
     message: str
     file: str | None = None
     key: str | None = None
@@ -91,17 +93,27 @@ class _Check:
     def add_error(self, exc: CkptoolError, kind: str):
         if exc.path and any(exc.path == self.store.display(f) for f in self.bad_files):
             return  # already reported as missing/truncated
-        self.problems.append(Problem(kind, exc.message, exc.path, exc.key))
+        message = f"{exc.message}; {exc.hint}" if isinstance(exc, UnsafePickle) else exc.message
+        self.problems.append(Problem(kind, message, exc.path, exc.key))
 
 
 def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = False,
            workers: int = 2, progress: Progress | None = None) -> VerifyReport:
     """Verify the checkpoint at ``url`` (a checkpoint directory or a run root)."""
-    store = resolve(url)
-    fmt = converters.require_format(store)
     deep = deep or seal
+    try:
+        store = resolve(url)
+        fmt = converters.require_format(store)
+    except BadCheckpoint as exc:  # its tracker, `latest` or manifest is bad: a finding too
+        check = _Check(Store.open(url))
+        check.add_error(exc, "metadata")
+        return VerifyReport(path=check.store.url, format="unknown", ok=False, committed=None,
+                            sealed=False, deep=deep, files_checked=0, bytes_hashed=0, tensors=0,
+                            pieces_read=0, problems=check.problems)
     check = _Check(store)
     actual = store.files()
+    for rel, why in sorted(store.refused().items()):
+        check.add("unsafe-path", f"{why}: nothing reads it", rel)
     try:
         manifest = read_manifest(store)
     except BadCheckpoint as exc:
@@ -113,13 +125,14 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
     reader = converters.reader(fmt)
     index = None
     try:
-        index = merge_manifest(reader.read_index(store), manifest)
+        index = merge_manifest(read_index(reader, store), manifest)
     except CkptoolError as exc:
         # A file the manifest already condemned may fail in any way; otherwise only a
-        # bad checkpoint is a finding, and unreadable input stays exit 2.
-        if not isinstance(exc, BadCheckpoint) and not check.problems:
+        # bad checkpoint (or a pickle ckptool will not load) is a finding, and unreadable
+        # input stays exit 2.
+        if not isinstance(exc, (BadCheckpoint, UnsafePickle)) and not check.problems:
             raise
-        check.add_error(exc, "metadata")
+        check.add_error(exc, "pickle" if isinstance(exc, UnsafePickle) else "metadata")
     committed: bool | None = True if manifest is not None else None
     if index is not None:
         if manifest is None and index.written_by_ckptool:
@@ -127,8 +140,10 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
             check.add("uncommitted", f"not committed: {MANIFEST} is missing, so its writer never "
                       "finished", MANIFEST)
         _check_structure(check, index, actual)
+        _check_objects(check, reader, index)
         if deep:
             _check_deep(check, reader, index, progress, workers)
+        _check_pickles(check, reader)
     elif manifest is None and check.problems == []:
         committed = None
 
@@ -221,18 +236,25 @@ def _check_deep(check: _Check, reader: Reader, index: CheckpointIndex,
         if nan or inf:
             check.add("nonfinite", f"tensor holds {nan} NaN and {inf} Inf values "
                       f"(of {math.prod(index.tensors[key].shape)})", key=key)
-    for key, obj in index.objects.items():
-        if obj.location is not None and obj.location.file in check.bad_files:
+
+
+def _check_objects(check: _Check, reader: Reader, index: CheckpointIndex) -> None:
+    """Every stored non-tensor entry reads (through the one unpickler: nothing is run)."""
+    for obj in index.objects.values():
+        if obj.location is None or obj.location.file in check.bad_files:
             continue
         try:
-            value = reader.read_object(store, obj)
+            reader.read_object(check.store, obj)
         except CkptoolError as exc:
             check.add_error(exc, "unreadable")
-            continue
-        if isinstance(value, Opaque):
-            check.warnings.append(Problem("opaque", f"object kept opaque: {value.reason}",
-                                          store.display(obj.location.file) if obj.location else None,
-                                          key))
+
+
+def _check_pickles(check: _Check, reader: Reader) -> None:
+    """A pickle that names a global outside the allowlist is a finding (never run)."""
+    if trusted():
+        return
+    for finding in reader.unsafe_pickles():
+        check.add_error(finding.error(), "pickle")
 
 
 def _check_replicas(check: _Check, reader: Reader, index: CheckpointIndex) -> None:

@@ -1,0 +1,361 @@
+"""No conversion silently changes the model's math (issue #15).
+
+Every Hugging Face config field, and every math-affecting Megatron arg, is carried to the
+output, or is on the short list of fields that do not change what the weights compute, or
+the conversion is refused (exit 2, one line naming the field and its value) before anything
+is written. Proven on real ``save_pretrained`` output (transformers 5 keeps RoPE scaling in
+``rope_parameters``, older files in ``rope_scaling``), on real megatron-core checkpoints
+(tests/mcore_harness.py) with their args changed, and by logits where a conversion goes on.
+
+Also: ``--model-family`` names the HF schema on whichever side is HF, so a Megatron-Core
+``torch_dist`` source converts ``--to hf --model-family llama`` (and a wrong family is
+refused with the model's traits).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import peer
+
+transformers = peer("transformers")
+peer("megatron.core")
+
+from tests import mcore_harness as H  # noqa: E402
+
+SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.1)
+"""A tiny Llama/Mistral: GQA (4 heads, 2 kv groups), untied, head_dim 8."""
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+"""Llama 3.1's RoPE scaling, cut down: wavelengths above 16 tokens are stretched, so it changes
+the logits well inside 64 tokens."""
+TOKENS = torch.randint(0, 96, (2, 64), generator=torch.Generator().manual_seed(3))
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def save_hf(root: Path, cls=None, config_cls=None, **config) -> Path:
+    """A real transformers model with random weights, saved by ``save_pretrained``."""
+    config_cls = config_cls or transformers.LlamaConfig
+    cls = cls or transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    cls(config_cls(**{**SMALL, **config})).eval().save_pretrained(root)
+    return root
+
+
+def edit_config(root: Path, dst: Path, **changes) -> Path:
+    """A copy of the HF checkpoint ``root`` whose config.json has ``changes`` (None pops)."""
+    shutil.copytree(root, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def logits(root: Path) -> torch.Tensor:
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        root, output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        return model.eval()(TOKENS).logits
+
+
+def assert_refused(r, dst: Path, what: str) -> None:
+    """Exit 2, one line on stderr naming ``what``, no traceback, no DST and no DST.tmp-*."""
+    assert r.code == 2, (r.code, r.out, r.err)
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptool: error: "), r.err
+    assert what in lines[0], lines[0]
+    assert "would compute differently" in lines[0] or "--model-family" in lines[0], lines[0]
+    assert "Traceback" not in r.err + r.out
+    assert not dst.exists()
+    assert not list(dst.parent.glob(f"{dst.name}.tmp-*"))
+
+
+def rewrite_args(path: Path, **changes) -> None:
+    """Set Megatron ``args`` fields in a torch.save file (a rank file, or common.pt)."""
+    state = torch.load(path, weights_only=False)
+    for key, value in changes.items():
+        setattr(state["args"], key, value)
+    torch.save(state, path)
+
+
+# ------------------------------------------------------------------ HF config: refused
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """Real save_pretrained output of each model the guard must catch, and plain ones."""
+    base = tmp_path_factory.mktemp("hf")
+    out = {
+        "llama": save_hf(base / "llama"),
+        "llama3": save_hf(base / "llama3", rope_scaling=dict(LLAMA3)),
+        "mistral-window": save_hf(base / "mistral-window", transformers.MistralForCausalLM,
+                                  transformers.MistralConfig, sliding_window=4),
+        "mistral": save_hf(base / "mistral", transformers.MistralForCausalLM,
+                           transformers.MistralConfig, sliding_window=None),
+        "attention-bias": save_hf(base / "attention-bias", attention_bias=True),
+        "partial-rotary": save_hf(base / "partial-rotary", partial_rotary_factor=0.5),
+    }
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+        activation_function="relu")).save_pretrained(base / "gpt2-relu")
+    out["gpt2-relu"] = base / "gpt2-relu"
+    return out
+
+
+def test_transformers_saves_what_the_guard_reads(hf_models):
+    """The fixtures hold the fields as transformers 5 writes them (else the tests below
+    would test nothing): RoPE scaling and partial rotary in rope_parameters."""
+    cfg = lambda name: json.loads((hf_models[name] / "config.json").read_text())  # noqa: E731
+    assert cfg("llama3")["rope_parameters"]["rope_type"] == "llama3"
+    assert cfg("llama")["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
+    assert cfg("mistral-window")["sliding_window"] == 4 and cfg("mistral")["sliding_window"] is None
+    assert cfg("attention-bias")["attention_bias"] is True
+    assert cfg("partial-rotary")["rope_parameters"]["partial_rotary_factor"] == 0.5
+
+
+@pytest.mark.parametrize("target", ["megatron", "megatron-dist", "dcp"])
+def test_llama3_rope_scaling_is_refused_where_the_output_would_lose_it(hf_models, tmp_path, run_cli,
+                                                                       target):
+    dst = tmp_path / "out"
+    r = run_cli("convert", hf_models["llama3"], dst, "--to", target)
+    assert_refused(r, dst, "config.json field rope_parameters={")
+    assert "'rope_type': 'llama3'" in r.err and f"not carried to {target} output" in r.err
+    assert "--to deepspeed or --to hf keeps it" in r.err
+
+
+@pytest.mark.parametrize("case,target,field,value", [
+    ("mistral-window", "megatron", "sliding_window", "4"),
+    ("mistral-window", "hf", "sliding_window", "4"),  # the hf output is a llama config: no window
+    ("attention-bias", "megatron", "attention_bias", "True"),
+    ("attention-bias", "hf", "attention_bias", "True"),  # the llama table has no bias tensors
+    ("attention-bias", "deepspeed", "attention_bias", "True"),
+    ("partial-rotary", "megatron", "rope_parameters", "{'partial_rotary_factor': 0.5"),
+    ("gpt2-relu", "megatron", "activation_function", "'relu'"),
+])
+def test_math_changing_fields_of_real_configs_are_refused(hf_models, tmp_path, run_cli, case, target,
+                                                          field, value):
+    dst = tmp_path / "out"
+    r = run_cli("convert", hf_models[case], dst, "--to", target)
+    assert_refused(r, dst, f"config.json field {field}={value}")
+    assert f"not carried to {target} output" in r.err
+
+
+@pytest.mark.parametrize("changes,field", [
+    # Llama 3.1's config.json as the Hub has it (transformers 4 layout)
+    (dict(rope_parameters=None, rope_theta=500000.0, rope_scaling=LLAMA3), "rope_scaling={"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling={'type': 'linear'"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    (dict(my_new_feature=3), "my_new_feature=3"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(mlp_bias=True), "mlp_bias=True"),
+    (dict(sliding_window=16), "sliding_window=16"),
+    (dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=True"),
+    (dict(layer_types=["sliding_attention", "full_attention"]), "layer_types=["),
+])
+def test_edited_configs_are_refused_naming_the_field(hf_models, tmp_path, run_cli, changes, field):
+    src = edit_config(hf_models["llama"], tmp_path / "src", **changes)
+    dst = tmp_path / "out"
+    assert_refused(run_cli("convert", src, dst, "--to", "megatron"), dst, f"config.json field {field}")
+
+
+def test_unknown_field_is_carried_where_config_json_is_kept(hf_models, tmp_path, run_cli):
+    """An unknown field survives hf -> hf and hf -> deepspeed (the file is kept as it is)."""
+    src = edit_config(hf_models["llama"], tmp_path / "src", my_new_feature=3)
+    for target in ("hf", "deepspeed"):
+        dst = tmp_path / target
+        r = run_cli("convert", src, dst, "--to", target)
+        assert r.code == 0, r.err
+        assert json.loads((dst / "config.json").read_text())["my_new_feature"] == 3
+
+
+# --------------------------------------------------- HF config: carried, or a no-op
+
+
+def test_llama3_scaling_survives_hf_and_deepspeed_round_trips(hf_models, tmp_path, run_cli):
+    """Outputs that keep config.json carry the scaling: the same logits, which the scaling
+    does change (the same weights without it compute something else)."""
+    src = hf_models["llama3"]
+    want = logits(src)
+    plain = edit_config(src, tmp_path / "plain",
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    assert (logits(plain) - want).abs().max() > 1e-2  # the scaling matters at 64 tokens
+    hf = tmp_path / "hf"
+    assert run_cli("convert", src, hf, "--to", "hf").code == 0
+    assert json.loads((hf / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
+    assert (logits(hf) - want).abs().max() < 1e-5
+    ds, back = tmp_path / "ds", tmp_path / "back"
+    assert run_cli("convert", src, ds, "--to", "deepspeed").code == 0
+    r = run_cli("convert", ds, back, "--to", "hf")
+    assert r.code == 0, r.err
+    assert (logits(back) - want).abs().max() < 1e-5
+    # deepspeed (HF names + config.json) to a format that keeps only the ModelSpec: refused
+    dst = tmp_path / "mg"
+    assert_refused(run_cli("convert", ds, dst, "--to", "megatron"), dst,
+                   "config.json field rope_parameters=")
+
+
+def test_no_op_fields_convert_with_the_same_logits(hf_models, tmp_path, run_cli):
+    """Fields at their no-op values (and neutral ones) do not stop hf -> megatron -> hf,
+    which gives the source's logits."""
+    src = hf_models["llama"]
+    want = logits(src)
+    edited = edit_config(src, tmp_path / "src", attention_bias=False, mlp_bias=False,
+                         sliding_window=4096, use_sliding_window=False, max_window_layers=28,
+                         rope_scaling=None, partial_rotary_factor=1.0,
+                         layer_types=["full_attention"] * 2, pretraining_tp=1, bos_token_id=5,
+                         attention_dropout=0.1, _name_or_path="somewhere/llama")
+    mid, back = tmp_path / "mg", tmp_path / "back"
+    r = run_cli("convert", edited, mid, "--to", "megatron", "--tp", "2")
+    assert r.code == 0, r.err
+    r = run_cli("convert", mid, back, "--to", "hf")
+    assert r.code == 0, r.err
+    assert (logits(back) - want).abs().max() < 1e-5
+
+
+def test_mistral_without_a_window_converts_and_round_trips(hf_models, tmp_path, run_cli):
+    src = hf_models["mistral"]
+    mid, back = tmp_path / "mg", tmp_path / "back"
+    assert run_cli("convert", src, mid, "--to", "megatron").code == 0
+    assert run_cli("convert", mid, back, "--to", "hf").code == 0
+    assert (logits(back) - logits(src)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("case", ["llama3", "mistral-window", "attention-bias"])
+def test_inspect_and_verify_still_read_such_checkpoints(hf_models, run_cli, case):
+    assert run_cli("inspect", hf_models[case]).code == 0
+    r = run_cli("verify", "--deep", hf_models[case])
+    assert r.code == 0, r.out + r.err
+
+
+# ------------------------------------------------------------------- Megatron args
+
+
+@pytest.fixture(scope="module")
+def legacy(tmp_path_factory):
+    """A real megatron-core Llama (TP1) in the legacy layout, and its logits."""
+    root = tmp_path_factory.mktemp("mg") / "legacy"
+    return root, H.save_real(H.LLAMA, 1, root)
+
+
+RANK0 = Path("iter_0000010") / "mp_rank_00" / "model_optim_rng.pt"
+
+MATH_ARGS = [("use_rope_scaling", True), ("window_size", (4, 0)), ("add_qkv_bias", True),
+             ("qk_layernorm", True), ("rotary_percent", 0.5), ("apply_layernorm_1p", True),
+             ("apply_residual_connection_post_layernorm", True), ("num_experts", 8),
+             ("multi_latent_attention", True), ("rotary_interleaved", True), ("squared_relu", True),
+             ("position_embedding_type", "none")]
+
+
+@pytest.mark.parametrize("name,value", MATH_ARGS)
+def test_math_args_are_refused_going_out_of_megatron(legacy, tmp_path, run_cli, name, value):
+    src = tmp_path / "src"
+    shutil.copytree(legacy[0], src)
+    rewrite_args(src / RANK0, **{name: value})
+    for target in ("hf", "dcp"):
+        dst = tmp_path / target
+        r = run_cli("convert", src, dst, "--to", target, "--true-vocab-size", 1000)
+        assert_refused(r, dst, f"Megatron arg {name}={value!r} is not carried to {target} output")
+
+
+def test_no_op_math_args_convert_to_hf(legacy, tmp_path, run_cli):
+    """Math args at their no-op values (as Megatron-LM stores them by default) pass."""
+    src = tmp_path / "src"
+    shutil.copytree(legacy[0], src)
+    rewrite_args(src / RANK0, use_rope_scaling=False, rope_scaling_factor=8.0, window_size=None,
+                 rotary_percent=1.0, num_experts=None, add_qkv_bias=False, qk_layernorm=False,
+                 apply_layernorm_1p=False, rotary_interleaved=False, softmax_type="vanilla",
+                 hidden_dropout=0.1, lr=3e-4, seed=1234)
+    dst = tmp_path / "hf"
+    r = run_cli("convert", src, dst, "--to", "hf", "--true-vocab-size", 1000)
+    assert r.code == 0, r.err
+    assert (logits_of(dst, 1000) - legacy[1]).abs().max() < 1e-5
+
+
+def logits_of(root: Path, vocab: int) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(H.tokens(vocab)).logits
+
+
+def test_megatron_outputs_keep_the_args_so_reshard_and_inspect_work(legacy, tmp_path, run_cli):
+    src = tmp_path / "src"
+    shutil.copytree(legacy[0], src)
+    rewrite_args(src / RANK0, use_rope_scaling=True)
+    assert run_cli("inspect", src).code == 0
+    assert run_cli("verify", src).code == 0
+    resharded = tmp_path / "pp2"
+    r = run_cli("reshard", src, resharded, "--to-pp", 2, "--true-vocab-size", 1000)
+    assert r.code == 0, r.err
+    args = torch.load(resharded / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt",
+                      weights_only=False)["args"]
+    assert args.use_rope_scaling is True and args.pipeline_model_parallel_size == 2
+    dist = tmp_path / "dist"
+    r = run_cli("convert", src, dist, "--to", "megatron-dist", "--true-vocab-size", 1000)
+    assert r.code == 0, r.err
+    common = torch.load(dist / "iter_0000010" / "common.pt", weights_only=False)
+    assert common["args"].use_rope_scaling is True
+    # ... and that megatron-dist copy still cannot go to hf
+    dst = tmp_path / "hf"
+    assert_refused(run_cli("convert", dist, dst, "--to", "hf"), dst, "Megatron arg use_rope_scaling=True")
+
+
+# ------------------------------------------------- --model-family on the HF side
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory, legacy):
+    """A real Megatron-Core torch_dist checkpoint of the same model as ``legacy``."""
+    root = tmp_path_factory.mktemp("dist") / "dist"
+    H.save_dist(H.LLAMA, 1, root)
+    return root
+
+
+def test_torch_dist_to_hf_with_model_family_llama(dist, legacy, tmp_path, run_cli):
+    dst = tmp_path / "hf"
+    r = run_cli("convert", dist, dst, "--to", "hf", "--model-family", "llama", "--true-vocab-size", 1000)
+    assert r.code == 0, r.err
+    assert json.loads((dst / "config.json").read_text())["model_type"] == "llama"
+    assert (logits_of(dst, 1000) - legacy[1]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt"])
+def test_torch_dist_to_hf_with_a_wrong_family_is_refused(dist, tmp_path, run_cli, family):
+    dst = tmp_path / "hf"
+    r = run_cli("convert", dist, dst, "--to", "hf", "--model-family", family, "--true-vocab-size", 1000)
+    assert_refused(r, dst, "it has RMSNorm, SwiGLU and rotary positions; it is llama, not gpt2")
+
+
+def test_model_family_without_an_hf_side_is_refused(dist, tmp_path, run_cli):
+    dst = tmp_path / "mg"
+    r = run_cli("convert", dist, dst, "--to", "megatron", "--model-family", "llama")
+    assert_refused(r, dst, "--model-family names a Hugging Face schema, and neither the "
+                           "megatron-dist input nor the megatron output has one")
+
+
+def test_gpt2_model_named_llama_is_refused_with_its_traits(tmp_path, run_cli):
+    """A gpt2 model carried through dcp (no config.json left) cannot be written as llama."""
+    src = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64)).save_pretrained(src)
+    mid, dst = tmp_path / "dcp", tmp_path / "hf"
+    assert run_cli("convert", src, mid, "--to", "dcp").code == 0
+    r = run_cli("convert", mid, dst, "--to", "hf", "--model-family", "llama")
+    assert_refused(r, dst, "it has LayerNorm, GELU and learned positions; it is gpt2, not llama")
+    r = run_cli("convert", mid, dst, "--to", "hf", "--model-family", "gpt2")
+    assert r.code == 0, r.err

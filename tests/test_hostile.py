@@ -1,0 +1,513 @@
+"""Hostile and damaged checkpoints of every format ckptool reads, through the CLI.
+
+Each case takes a real checkpoint (written by transformers, torch DCP, megatron-core,
+DeepSpeed or ckptool itself), damages it or plants something hostile in it, and runs every
+command that applies. Each must end within seconds with exit 1 or 2 and one line on
+stderr naming the reason (verify: its report on stdout), with no traceback; no payload
+runs; nothing in the scratch directory changes (no DST, no ``DST.tmp-*``, the decoys
+outside the checkpoint untouched); and no allocation beyond a bound is made (the
+address space is capped while the commands run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import resource
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+
+from tests.conftest import peer, sample_state
+
+REPO = Path(__file__).resolve().parents[1]
+SECONDS = 30
+"""What "within seconds" means for one command here (the slowest seen: ~3 s, on a busy
+2-core machine)."""
+HEADROOM = 2 << 30
+"""Address space a command may add to what the test process already maps."""
+
+
+class Call:
+    """Pickles as a call of ``fn(*args)``: what a hostile checkpoint plants."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+# ------------------------------------------------------------------------ sources
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    """One real checkpoint per format, written once; each case works on a copy."""
+    base = tmp_path_factory.mktemp("sources")
+    made = {"dcp": base / "dcp"}
+    dcp.save(sample_state(), checkpoint_id=str(made["dcp"]))
+    transformers = peer("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(base / "hf", max_shard_size="8KB")
+    made["hf"] = base / "hf"
+    peer("megatron.core")
+    from tests import mcore_harness as MH
+
+    MH.save_real(MH.LLAMA, 2, base / "megatron")
+    made["megatron"] = base / "megatron"
+    MH.save_dist(MH.LLAMA, 1, base / "megatron-dist")
+    made["megatron-dist"] = base / "megatron-dist"
+    peer("deepspeed")
+    from tests import ds_harness as DH
+
+    DH.save(base / "ds", [1], dp=2)
+    made["deepspeed"] = base / "ds" / "z1"
+    from converters import dcp as ckptool_dcp
+
+    ckptool_dcp.save(sample_state(), str(base / "sealed"), iteration=1, topology={"tp": 1, "pp": 1, "dp": 1})
+    made["sealed"] = base / "sealed"
+    import ckptool
+
+    ckptool.convert(str(made["deepspeed"]), str(base / "universal"), to_format="deepspeed-universal")
+    made["deepspeed-universal"] = base / "universal"
+    made["megatron-zarr"] = REPO / "tests" / "data" / "mcore_zarr" / "llama_bf16"
+    return made
+
+
+COMMANDS = {
+    "hf": [["inspect"], ["verify"], ["verify", "--deep"], ["convert", "DST", "--to", "dcp"],
+           ["convert", "DST", "--to", "megatron", "--tp", "2"]],
+    "dcp": [["inspect"], ["verify"], ["verify", "--deep"], ["convert", "DST", "--to", "dcp"],
+            ["reshard", "DST", "--to-dp", "2"]],
+    "sealed": [["inspect"], ["verify"], ["verify", "--deep"], ["reshard", "DST", "--to-dp", "2"]],
+    "megatron": [["inspect"], ["verify"], ["verify", "--deep"],
+                 ["convert", "DST", "--to", "megatron-dist"], ["reshard", "DST", "--to-pp", "2"]],
+    "megatron-dist": [["inspect"], ["verify"], ["verify", "--deep"],
+                      ["convert", "DST", "--to", "megatron"], ["reshard", "DST", "--to-pp", "2"]],
+    "deepspeed": [["inspect"], ["verify"], ["verify", "--deep"], ["convert", "DST", "--to", "dcp"],
+                  ["reshard", "DST", "--to-dp", "1"]],
+    "deepspeed-universal": [["inspect"], ["verify"], ["convert", "DST", "--to", "deepspeed"]],
+    "megatron-zarr": [["inspect"], ["verify"], ["verify", "--deep"],
+                      ["convert", "DST", "--to", "megatron-dist"]],
+}
+
+
+# ------------------------------------------------------------------------ mutations
+
+
+def _meg_rank_file(root: Path, tp: int = 0) -> Path:
+    return root / "iter_0000010" / f"mp_rank_{tp:02d}" / "model_optim_rng.pt"
+
+
+def _edit_torch_file(path: Path, edit: Callable[[dict], None]) -> None:
+    obj = torch.load(path, weights_only=False)  # the test's own file, written by a real peer
+    edit(obj)
+    torch.save(obj, path)
+
+
+def _edit_metadata(root: Path, edit: Callable) -> None:
+    meta = pickle.loads((root / ".metadata").read_bytes())
+    edit(meta)
+    (root / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+def _storage(meta, fqn: str):
+    return next(v for k, v in meta.storage_data.items() if k.fqn == fqn)
+
+
+def _edit_st_header(path: Path, edit: Callable[[dict], None]) -> None:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+def _tensors(header: dict) -> list[str]:
+    return sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+
+
+def _first_shard(root: Path) -> Path:
+    return sorted(root.glob("model-*.safetensors"))[0]
+
+
+def _decoy(case, src: Path) -> Path:
+    """A copy of ``src`` outside the checkpoint: a reader that followed a path out would
+    find a perfectly good file there."""
+    out = case.outside / src.name
+    shutil.copy(src, out)
+    return out
+
+
+def _weight_map_to(case, target: Callable[[Path], str]) -> None:
+    index = case.ckpt / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    name = next(iter(data["weight_map"]))
+    decoy = _decoy(case, case.ckpt / data["weight_map"][name])
+    data["weight_map"][name] = target(decoy)
+    index.write_text(json.dumps(data))
+
+
+def _symlink(case, rel: str, target: Path | str) -> None:
+    (case.ckpt / rel).unlink()
+    os.symlink(target, case.ckpt / rel)
+
+
+def _fifo(case, rel: str) -> None:
+    (case.ckpt / rel).unlink()
+    os.mkfifo(case.ckpt / rel)
+
+
+def _zarr_chunk_symlink(case) -> None:
+    array = case.ckpt / "iter_0000010" / "embedding.word_embeddings.weight"
+    chunk = next(p for p in sorted(array.iterdir()) if not p.name.startswith("."))
+    _symlink(case, str(chunk.relative_to(case.ckpt)), _decoy(case, chunk))
+
+
+def _rename_local_record(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"PK\x03\x04", raw.index(b"/data/0") - 200)  # the local header of data/0
+    name_at = raw.index(b"/data/0", at)
+    raw[name_at:name_at + 7] = b"/data/X"
+    path.write_bytes(bytes(raw))
+
+
+@dataclass
+class Case:
+    name: str
+    source: str
+    mutate: Callable
+    words: str
+    """What every refusing command must say."""
+    codes: dict = field(default_factory=dict)
+    """Command name -> expected exit code where it is not the default (1)."""
+    fifo: bool = False
+    """Run in a subprocess with a timeout (a read that blocks cannot be interrupted in-process)."""
+    pickle: bool = False
+    """A hostile pickle: inspect warns and goes on (exit 0); verify reports it (exit 1);
+    convert and reshard refuse it (exit 2)."""
+    commands: list | None = None
+    """The commands that apply, where not all of the source format's."""
+
+
+def _hf_symlink_decoy(c):
+    shard = _first_shard(c.ckpt)
+    _symlink(c, shard.name, _decoy(c, shard))
+
+
+CASES = [
+    # ---- paths that leave the checkpoint
+    Case("hf-index-dotdot", "hf", lambda c: _weight_map_to(c, lambda d: f"../outside/{d.name}"),
+         "leaves the checkpoint"),
+    Case("hf-index-absolute", "hf", lambda c: _weight_map_to(c, str), "is absolute"),
+    Case("hf-symlink-out", "hf", _hf_symlink_decoy, "outside the checkpoint"),
+    Case("hf-symlink-etc", "hf", lambda c: _symlink(c, _first_shard(c.ckpt).name, "/etc/hostname"),
+         "outside the checkpoint"),
+    Case("dcp-storage-dotdot", "dcp", lambda c: (_decoy(c, c.ckpt / "__0_0.distcp"), _edit_metadata(
+        c.ckpt, lambda m: setattr(_storage(m, "model.embedding.weight"), "relative_path",
+                                  "../outside/__0_0.distcp"))), "leaves the checkpoint"),
+    Case("dcp-storage-absolute", "dcp", lambda c: _edit_metadata(c.ckpt, lambda m: setattr(
+        _storage(m, "model.norm.weight"), "relative_path", str(_decoy(c, c.ckpt / "__0_0.distcp")))),
+         "is absolute"),
+    Case("megatron-rank-symlink", "megatron", lambda c: _symlink(
+        c, "iter_0000010/mp_rank_01/model_optim_rng.pt", _decoy(c, _meg_rank_file(c.ckpt, 1))),
+         "outside the checkpoint"),
+    Case("deepspeed-latest-dotdot", "deepspeed", lambda c: (c.ckpt / "latest").write_text("../outside"),
+         "leaves the checkpoint"),
+    Case("manifest-symlink-listed", "sealed", lambda c: _plant_listed_symlink(c), "outside the checkpoint",
+         commands=[["verify"], ["verify", "--deep"]]),  # nothing else reads a file the format does not name
+    Case("manifest-entry-dotdot", "sealed", lambda c: _edit_manifest(
+        c, lambda m: m["files"][0].update(path="../outside/x")), "leaves the checkpoint"),
+    Case("manifest-entry-size", "sealed", lambda c: _edit_manifest(
+        c, lambda m: m["files"][0].update(size=-1)), "has size -1"),
+    Case("manifest-entry-hash", "sealed", lambda c: _edit_manifest(
+        c, lambda m: m["files"][0].update(xxh3_128="abc")), "has no xxh3-128 hash"),
+    # ---- pointers to what is not there
+    Case("megatron-tracker-missing", "megatron",
+         lambda c: (c.ckpt / "latest_checkpointed_iteration.txt").write_text("99"),
+         "names iter_0000099, which does not exist"),
+    Case("megatron-dist-tracker-missing", "megatron-dist",
+         lambda c: (c.ckpt / "latest_checkpointed_iteration.txt").write_text("7"),
+         "names iter_0000007, which does not exist"),
+    Case("universal-latest-missing", "deepspeed-universal",
+         lambda c: ((c.ckpt / "latest_universal").write_text("global_step999"),
+                    (c.ckpt / "ckptool.json").unlink()),  # else verify reports the manifest's mismatch
+         "latest_universal names global_step999, which does not exist"),
+    Case("zarr-chunk-symlink", "megatron-zarr", lambda c: _zarr_chunk_symlink(c), "outside the checkpoint",
+         codes={"inspect": 0}),  # inspect reads the arrays' metadata, not their chunks
+    Case("zarr-common-mkdir", "megatron-zarr", lambda c: _edit_torch_file(
+        c.ckpt / "iter_0000010" / "common.pt", lambda o: o.update(rng_state=Call(os.mkdir, str(c.marker)))),
+         "posix.mkdir", pickle=True),
+    Case("deepspeed-latest-missing", "deepspeed",
+         lambda c: (c.ckpt / "latest").write_text("global_step999"),
+         "latest names global_step999, which does not exist"),
+    # ---- hostile pickles
+    Case("dcp-object-mkdir", "dcp", lambda c: _plant_dcp_object(c), "posix.mkdir", pickle=True),
+    Case("megatron-rng-mkdir", "megatron", lambda c: _edit_torch_file(
+        _meg_rank_file(c.ckpt, 0), lambda o: o.update(rng_state=[Call(os.mkdir, str(c.marker))])),
+         "posix.mkdir", pickle=True),
+    Case("megatron-args-system-rank0", "megatron", lambda c: _edit_torch_file(
+        _meg_rank_file(c.ckpt, 0), lambda o: o.update(args=Call(os.system, f"touch {c.marker}"))),
+         "posix.system", pickle=True, codes={"inspect": 2}),  # no args: nothing to show
+    Case("megatron-args-system-rank1", "megatron", lambda c: _edit_torch_file(
+        _meg_rank_file(c.ckpt, 1), lambda o: o.update(args=Call(os.system, f"touch {c.marker}"))),
+         "posix.system", pickle=True),
+    Case("megatron-dist-common-system", "megatron-dist", lambda c: _edit_torch_file(
+        c.ckpt / "iter_0000010" / "common.pt",
+        lambda o: o.update(rng_state=Call(os.system, f"touch {c.marker}"))), "posix.system", pickle=True),
+    Case("deepspeed-scheduler-mkdir", "deepspeed", lambda c: _edit_torch_file(
+        next((c.ckpt / "global_step2").glob("mp_rank_00_model_states.pt")),
+        lambda o: o.update(lr_scheduler=Call(os.mkdir, str(c.marker)))), "posix.mkdir", pickle=True),
+    # ---- damaged containers, caught by plain verify from metadata alone
+    Case("hf-offsets-past-end", "hf", lambda c: _edit_st_header(_first_shard(c.ckpt), _grow_last),
+         "truncated"),
+    Case("hf-truncated", "hf", lambda c: _truncate(_first_shard(c.ckpt), 100), "truncated"),
+    Case("hf-overlap", "hf", lambda c: _edit_st_header(_first_shard(c.ckpt), lambda h: _overlap(h)),
+         "overlaps"),
+    Case("hf-huge-header", "hf", lambda c: _patch(_first_shard(c.ckpt), 0, struct.pack("<Q", 1 << 60)),
+         "does not fit the file"),
+    Case("hf-huge-shape", "hf", lambda c: _edit_st_header(_first_shard(c.ckpt), lambda h: h[
+        _tensors(h)[0]].update(shape=[1 << 40, 1 << 40])), "bytes, not"),
+    Case("dcp-huge-length", "dcp", lambda c: _edit_metadata(c.ckpt, _huge_last_length), "truncated",
+         codes={"inspect": 0}),  # inspect reads metadata only; the file's size is verify's
+    Case("dcp-huge-shape", "dcp", lambda c: _edit_metadata(c.ckpt, lambda m: _huge_dcp_tensor(m)), "needs"),
+    Case("dcp-overlap", "dcp", lambda c: _edit_metadata(c.ckpt, lambda m: setattr(
+        _storage(m, "model.norm.weight"), "offset", _storage(m, "model.layers.0.bias").offset)), "overlap"),
+    Case("dcp-chunk-outside", "dcp", lambda c: _edit_metadata(c.ckpt, lambda m: _chunk_outside(m)),
+         "is outside"),
+    Case("megatron-zip-renamed-record", "megatron", lambda c: _rename_local_record(_meg_rank_file(c.ckpt)),
+         "in its local header", codes={"inspect": 1}),
+    Case("megatron-truncated", "megatron", lambda c: _truncate(_meg_rank_file(c.ckpt, 1), 4096),
+         "not a readable torch.save archive"),
+    # ---- reads that could block
+    Case("dcp-metadata-fifo", "dcp", lambda c: _fifo(c, ".metadata"), "FIFO", fifo=True),
+    Case("hf-config-fifo", "hf", lambda c: _fifo(c, "config.json"), "FIFO", fifo=True),
+]
+
+
+def _truncate(path: Path, n: int) -> None:
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-n])
+
+
+def _patch(path: Path, at: int, data: bytes) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at:at + len(data)] = data
+    path.write_bytes(bytes(raw))
+
+
+def _grow_last(header: dict) -> None:
+    """The last tensor claims 4 more rows than the file holds (its header stays consistent)."""
+    last = header[_tensors(header)[-1]]
+    begin, end = last["data_offsets"]
+    row = (end - begin) // last["shape"][0]
+    last.update(shape=[last["shape"][0] + 4, *last["shape"][1:]], data_offsets=[begin, end + 4 * row])
+
+
+def _overlap(header: dict) -> None:
+    first, second = _tensors(header)[:2]
+    header[second].update(dtype=header[first]["dtype"], shape=header[first]["shape"],
+                          data_offsets=header[first]["data_offsets"])
+
+
+def _huge_last_length(meta) -> None:
+    """The file's last item claims 2**60 bytes."""
+    last = max(meta.storage_data.values(), key=lambda info: info.offset)
+    last.length = 1 << 60
+
+
+def _huge_dcp_tensor(meta) -> None:
+    entry = meta.state_dict_metadata["model.embedding.weight"]
+    entry.size = torch.Size([1 << 40, 1 << 40])
+    entry.chunks[0].sizes = torch.Size([1 << 40, 1 << 40])
+
+
+def _chunk_outside(meta) -> None:
+    entry = meta.state_dict_metadata["model.embedding.weight"]
+    entry.chunks[0].sizes = torch.Size([entry.size[0] + 5, entry.size[1]])
+
+
+def _plant_dcp_object(case) -> None:
+    shutil.rmtree(case.ckpt, ignore_errors=True)
+    dcp.save({**sample_state(), "evil": Call(os.mkdir, str(case.marker))}, checkpoint_id=str(case.ckpt))
+
+
+def _edit_manifest(case, edit) -> None:
+    path = case.ckpt / "ckptool.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _plant_listed_symlink(case) -> None:
+    os.symlink("/etc/hostname", case.ckpt / "notes.txt")
+    content = Path("/etc/hostname").read_bytes()
+    _edit_manifest(case, lambda m: m["files"].append(
+        {"path": "notes.txt", "size": len(content), "xxh3_128": xxhash.xxh3_128_hexdigest(content)}))
+
+
+# ------------------------------------------------------------------------ running
+
+
+@dataclass
+class Scratch:
+    root: Path
+    ckpt: Path
+    outside: Path
+    marker: Path
+    dst: Path
+
+
+def _snapshot(root: Path) -> dict:
+    """Every entry below ``root``: what it is and its content's identity."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = os.lstat(p)
+            out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return out
+
+
+class _AddressSpace:
+    """Caps this process's address space at what it maps now plus HEADROOM: a command that
+    tries to allocate what a header claims fails (MemoryError), which the test sees."""
+
+    def __enter__(self):
+        self.old = resource.getrlimit(resource.RLIMIT_AS)
+        mapped = _vm_size()
+        limit = mapped + HEADROOM
+        if self.old[1] != resource.RLIM_INFINITY:
+            limit = min(limit, self.old[1])
+        resource.setrlimit(resource.RLIMIT_AS, (limit, self.old[1]))
+        return self
+
+    def __exit__(self, *exc):
+        resource.setrlimit(resource.RLIMIT_AS, self.old)
+
+
+def _vm_size() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _args(cmd: list[str], scratch: Scratch) -> list[str]:
+    src = str(scratch.ckpt)
+    rest = [str(scratch.dst) if a == "DST" else a for a in cmd[1:]]
+    return [cmd[0], src, *rest]
+
+
+def _run_subprocess(args: list[str]):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    try:
+        p = subprocess.run([sys.executable, "-m", "ckptool", *args], capture_output=True, text=True,
+                           timeout=SECONDS * 2, env=env, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"ckptool {' '.join(args)} did not finish in {SECONDS * 2} s (a blocking read?)")
+    from tests.conftest import CliResult
+
+    return CliResult(p.returncode, p.stdout, p.stderr)
+
+
+def _expected(case: Case, command: str) -> int:
+    if command in case.codes:
+        return case.codes[command]
+    if case.pickle:
+        return {"inspect": 0, "verify": 1}.get(command, 2)
+    return 1
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_hostile_input_is_refused_cleanly(case, sources, tmp_path, run_cli):
+    scratch = Scratch(tmp_path, tmp_path / "ckpt", tmp_path / "outside", tmp_path / "pwned",
+                      tmp_path / "dst")
+    shutil.copytree(sources[case.source], scratch.ckpt, symlinks=True)
+    scratch.outside.mkdir()
+    case.mutate(scratch)
+    before = _snapshot(tmp_path)
+    for cmd in case.commands or COMMANDS[case.source]:
+        started = time.monotonic()
+        if case.fifo:
+            res = _run_subprocess(_args(cmd, scratch))
+        else:
+            with _AddressSpace():
+                res = run_cli(*_args(cmd, scratch))
+        took = time.monotonic() - started
+        label = " ".join(cmd)
+        assert took < SECONDS, f"{label}: {took:.1f} s"
+        assert "Traceback" not in res.out + res.err, f"{label}:\n{res.out}{res.err}"
+        assert res.code == _expected(case, cmd[0]), f"{label}: exit {res.code}\n{res.out}{res.err}"
+        if cmd[0] == "verify":
+            assert case.words in res.out, f"{label}:\n{res.out}{res.err}"
+        elif res.code:
+            lines = res.err.strip().splitlines()
+            assert len(lines) == 1 and case.words in lines[0], f"{label}:\n{res.err}"
+            if case.pickle:
+                assert "--trust-pickle" in lines[0]
+        elif case.pickle:  # inspect of a hostile pickle: a warning that names it, and on it goes
+            assert "warning: " in res.err and case.words in res.err, f"{label}:\n{res.err}"
+        assert not scratch.marker.exists(), f"{label}: the payload ran"
+        assert _snapshot(tmp_path) == before, f"{label}: the scratch directory changed"
+
+
+def test_trusted_pickle_is_loaded_and_pickled_again_never_copied(sources, tmp_path, run_cli):
+    """With --trust-pickle the hostile object is loaded for real (its call runs: that is
+    what trusting means) and the output holds what it returned, not the call."""
+    scratch = Scratch(tmp_path, tmp_path / "ckpt", tmp_path / "outside", tmp_path / "pwned",
+                      tmp_path / "dst")
+    scratch.outside.mkdir()
+    _plant_dcp_object(scratch)
+    assert b"mkdir" in b"".join(p.read_bytes() for p in scratch.ckpt.iterdir())
+    res = run_cli("convert", scratch.ckpt, scratch.dst, "--to", "dcp", "--trust-pickle")
+    assert res.code == 0, res.err
+    assert scratch.marker.exists()  # trusted: the call ran while loading
+    written = b"".join(p.read_bytes() for p in scratch.dst.iterdir() if p.is_file())
+    assert b"mkdir" not in written and b"posix" not in written
+    loaded = {"evil": "placeholder"}
+    dcp.load(loaded, checkpoint_id=str(scratch.dst))
+    assert loaded["evil"] is None  # what os.mkdir returned
+    res = run_cli("verify", scratch.dst, "--deep")
+    assert res.code == 0, res.out
+
+
+def test_hub_cache_snapshot_reads_its_own_blobs(sources, tmp_path, run_cli):
+    """A Hugging Face hub cache snapshot (``models--org--name/snapshots/<rev>/``) is made of
+    symlinks into the repository's ``blobs/``: those stay inside; a link past the repository
+    does not."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in sorted(sources["hf"].iterdir()):
+        blob = repo / "blobs" / xxhash.xxh3_64_hexdigest(f.read_bytes())
+        shutil.copy(f, blob)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / f.name)
+    assert run_cli("verify", snapshot).code == 0
+    res = run_cli("convert", snapshot, tmp_path / "dcp", "--to", "dcp")
+    assert res.code == 0, res.err
+    outside = tmp_path / "hub" / "elsewhere.safetensors"
+    shard = _first_shard(snapshot)
+    shutil.copy(shard, outside)
+    shard.unlink()
+    os.symlink(os.path.relpath(outside, snapshot), shard)
+    res = run_cli("inspect", snapshot)
+    assert res.code == 1 and "outside the checkpoint" in res.err, res.err
