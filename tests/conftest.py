@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -16,7 +17,7 @@ if str(REPO) not in sys.path:
 # DeepSpeed picks its accelerator from this; set before any worker process exists.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-PRELOAD = ["torch", "torch.distributed", "tests.mcore_harness", "megatron.core.models.gpt.gpt_model",
+PRELOAD = ["torch", "torch.distributed", "tests.harness.mcore", "megatron.core.models.gpt.gpt_model",
            "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.optimizer",
            "megatron.core.dist_checkpointing", "deepspeed"]
 """Imported once by the fork server that starts every test worker process (what is not
@@ -87,6 +88,11 @@ def make_ckpt():
     return make
 
 
+# ckptool is imported inside the helpers below on purpose: every spawned worker imports this
+# module before its caller's environment is restored (:func:`_with_env`), and ckptool imports
+# fsspec, which reads its FSSPEC_* configuration once, at import.
+
+
 def full_tensor(opened, key: str) -> torch.Tensor:
     """The whole global tensor ``key`` of an opened checkpoint, read through its reader."""
     from ckptool.core.engine import TargetTensor, fill_tensor
@@ -96,6 +102,32 @@ def full_tensor(opened, key: str) -> torch.Tensor:
     t = TargetTensor(key, Shard.of(Region.whole(key, info.shape)), info.dtype)
     return fill_tensor(t, opened.index,
                        lambda p, d, b, out: opened.reader.read_box_into(opened.store, p, d, b, out))
+
+
+def assembled(opened, key: str) -> torch.Tensor:
+    """The whole global tensor ``key`` of an opened checkpoint, put together from every stored
+    piece as the reader's ``read_piece`` returns it (:func:`full_tensor` reads boxes instead).
+    A floating tensor starts as NaN, so a gap in the pieces' coverage shows."""
+    from ckptool.core.regions import Region, execute, plan_copies
+
+    info = opened.index.tensors[key]
+    target = Region.whole(key, info.shape)
+    out = torch.zeros(info.shape, dtype=info.dtype)
+    if out.is_floating_point():
+        out.fill_(float("nan"))  # a gap in coverage would show
+    sources = [p.region for p in info.pieces]
+    buffers = [opened.reader.read_piece(opened.store, p, info.dtype) for p in info.pieces]
+    execute(plan_copies(sources, [target]), sources, buffers, [target], [out])
+    return out
+
+
+def convert_to_torch(run_cli, src: Path, dst: Path) -> dict:
+    """``ckptool convert SRC DST --to dcp``, then torch's own ``dcp_to_torch_save`` of DST into
+    ``DST.pt``: everything the converted checkpoint holds, by key, as torch reads it."""
+    res = run_cli("convert", src, dst, "--to", "dcp")
+    assert res.code == 0, res.err
+    dcp_to_torch_save(dst, dst.parent / f"{dst.name}.pt")
+    return torch.load(dst.parent / f"{dst.name}.pt", weights_only=False)
 
 
 def free_port() -> int:

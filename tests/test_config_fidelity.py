@@ -5,7 +5,7 @@ output, or is on the short list of fields that do not change what the weights co
 the conversion is refused (exit 2, one line naming the field and its value) before anything
 is written. Proven on real ``save_pretrained`` output (transformers 5 keeps RoPE scaling in
 ``rope_parameters``, older files in ``rope_scaling``), on real megatron-core checkpoints
-(tests/mcore_harness.py) with their args changed, and by logits where a conversion goes on.
+(tests/harness/mcore.py) with their args changed, and by logits where a conversion goes on.
 
 Also: ``--model-family`` names the HF schema on whichever side is HF, so a Megatron-Core
 ``torch_dist`` source converts ``--to hf --model-family llama`` (and a wrong family is
@@ -26,7 +26,8 @@ from tests.conftest import peer
 transformers = peer("transformers")
 peer("megatron.core")
 
-from tests import mcore_harness as H  # noqa: E402
+from tests.harness import mcore as H  # noqa: E402
+from tests.harness.hf import hf_logits, load_hf  # noqa: E402
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -65,11 +66,9 @@ def edit_config(root: Path, dst: Path, **changes) -> Path:
 
 
 def logits(root: Path) -> torch.Tensor:
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        root, output_loading_info=True, dtype=torch.float32)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model = load_hf(root, dtype=torch.float32)
     with torch.no_grad():
-        return model.eval()(TOKENS).logits
+        return model(TOKENS).logits
 
 
 def assert_refused(r, dst: Path, what: str) -> None:
@@ -287,9 +286,8 @@ def test_no_op_math_args_convert_to_hf(legacy, tmp_path, run_cli):
 
 
 def logits_of(root: Path, vocab: int) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(H.tokens(vocab)).logits
+    return hf_logits(transformers.AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32).eval(),
+                     vocab)
 
 
 def test_megatron_outputs_keep_the_args_so_reshard_and_inspect_work(legacy, tmp_path, run_cli):

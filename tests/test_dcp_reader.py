@@ -9,9 +9,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptool.checkpoint import open_checkpoint
-from ckptool.core.regions import Region, execute, plan_copies
 from ckptool.core.safe_pickle import Unsafe
-from tests.conftest import spawn_gloo
+from tests.conftest import assembled, spawn_gloo
 
 SHAPES = {"col": (10, 6), "row": (8, 9), "grid": (7, 5), "rep": (4,), "scalar": ()}
 
@@ -52,18 +51,6 @@ def dtensor_ckpt(tmp_path_factory):
     return path
 
 
-def _reconstruct(opened, key):
-    info = opened.index.tensors[key]
-    target = Region.whole(key, info.shape)
-    out = torch.zeros(info.shape, dtype=info.dtype)
-    if out.is_floating_point():
-        out.fill_(float("nan"))  # a gap in coverage would show
-    sources = [p.region for p in info.pieces]
-    buffers = [opened.reader.read_piece(opened.store, p, info.dtype) for p in info.pieces]
-    execute(plan_copies(sources, [target]), sources, buffers, [target], [out])
-    return out
-
-
 def test_reads_every_global_tensor_of_a_4_rank_dtensor_save(dtensor_ckpt):
     opened = open_checkpoint(str(dtensor_ckpt))
     t = global_tensors()
@@ -72,7 +59,7 @@ def test_reads_every_global_tensor_of_a_4_rank_dtensor_save(dtensor_ckpt):
     expected["scalar"] = t["scalar"]
     assert set(opened.index.tensors) == set(expected)
     for key, want in expected.items():
-        got = _reconstruct(opened, key)
+        got = assembled(opened, key)
         assert got.dtype == want.dtype and torch.equal(got, want), key
     # the uneven Shard(0) of 10 rows over 4 ranks: 3, 3, 3, 1
     rows = sorted(p.region.lengths[0] for p in opened.index.tensors["model.col"].pieces)
@@ -120,7 +107,7 @@ def test_reads_safetensors_serialization(tmp_path):
         str(path), serialization_format=SerializationFormat.SAFETENSORS))
     opened = open_checkpoint(str(path))
     for key, want in state.items():
-        assert torch.equal(_reconstruct(opened, key), want)
+        assert torch.equal(assembled(opened, key), want)
 
 
 def test_index_sizes_match_metadata(dtensor_ckpt):

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-1/2/3 checkpoints: read, reshard across DP sizes and ZeRO stages, and
 load the result with real DeepSpeed.
 
-The checkpoints are written by real DeepSpeed on CPU (``tests/ds_harness.py``) at DP=2.
+The checkpoints are written by real DeepSpeed on CPU (``tests/harness/deepspeed_engine.py``) at DP=2.
 ckptool reshards them to DP=3 and DP=1; DeepSpeed's plain ``engine.load_checkpoint`` loads
 each at its new size, and one more step on the same global batch must give the loss and the
 parameters of the run that continued without resharding. The fp32 weights ckptool extracts
@@ -14,13 +14,13 @@ import os
 
 import pytest
 
-from tests.conftest import peer
+from tests.conftest import convert_to_torch, peer
 import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 peer("deepspeed")
 
-from tests import ds_harness as H  # noqa: E402
+from tests.harness import deepspeed_engine as H  # noqa: E402
 
 STAGES = (1, 2, 3)
 SAVED = (0, *STAGES)
@@ -71,11 +71,7 @@ def test_deepspeed_loads_the_reshard_and_continues_the_run(ds, dp, case):
 
 def _ckptool_fp32(run_cli, src, dst) -> dict:
     """The fp32 weights by module name, through `ckptool convert --to dcp`."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    assert run_cli("convert", src, dst, "--to", "dcp").code == 0
-    dcp_to_torch_save(dst, dst.parent / f"{dst.name}.pt")
-    tensors = torch.load(dst.parent / f"{dst.name}.pt")
+    tensors = convert_to_torch(run_cli, src, dst)
 
     def fp32(name):
         name = TIED.get(name, name)

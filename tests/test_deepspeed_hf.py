@@ -22,7 +22,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 peer("deepspeed")
 peer("transformers")
 
-from tests import ds_harness as H  # noqa: E402
+from tests.harness import deepspeed_engine as H  # noqa: E402
+from tests.harness.hf import load_hf  # noqa: E402
 
 FAMILIES = ("llama", "gpt2")
 STAGES = (1, 2, 3)
@@ -36,15 +37,6 @@ def runs(tmp_path_factory):
     return root
 
 
-def _load_hf(path):
-    from transformers import AutoModelForCausalLM
-
-    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
-                                                       attn_implementation="eager")
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    return model.eval()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("stage", STAGES)
 def test_deepspeed_to_hf_loads_with_the_same_logits(runs, run_cli, tmp_path, family, stage):
@@ -53,7 +45,7 @@ def test_deepspeed_to_hf_loads_with_the_same_logits(runs, run_cli, tmp_path, fam
     src, out = runs / f"{family}_z{stage}", tmp_path / "hf"
     res = run_cli("convert", src, out, "--to", "hf", "--dtype", "fp32")
     assert res.code == 0, res.err
-    model = _load_hf(out)
+    model = load_hf(out, attn_implementation="eager")
     vocab = H.HF_CONFIGS[family]["vocab_size"]
     with torch.no_grad():
         logits = model(input_ids=H.hf_tokens(vocab, H.NEXT_STEP)).logits
@@ -86,7 +78,7 @@ def test_bf16_run_gives_its_fp32_masters_or_its_bf16_weights(runs, run_cli, tmp_
         assert bf16[name].dtype == default and torch.equal(bf16[name], value.to(default)), name
     config = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == str(default).split(".")[1]
-    _load_hf(tmp_path / "bf16")
+    load_hf(tmp_path / "bf16", attn_implementation="eager")
 
 
 def test_deepspeed_to_megatron_and_back_is_exact(runs, run_cli, tmp_path):

@@ -1,6 +1,6 @@
 """DeepSpeed pipeline checkpoints as Megatron-DeepSpeed writes them (GPTModelPipe's layer
 files, ``mp_rank_*`` with Megatron args, ZeRO-1 optimizer files), from a real DeepSpeed
-``PipelineEngine`` trained on CPU at TP1/PP2 (``tests/ds_harness.py``).
+``PipelineEngine`` trained on CPU at TP1/PP2 (``tests/harness/deepspeed_engine.py``).
 
 The truth comes from the engine's memory, not from the files: each stage's layer modules
 (run in order in one process for the reference logits, the head with the last stage's own
@@ -15,13 +15,17 @@ import os
 import pytest
 import torch
 
-from tests.conftest import peer
+from tests.conftest import convert_to_torch, peer
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 peer("deepspeed")
 peer("transformers")
 
-from tests import ds_harness as H  # noqa: E402
+from transformers import GPT2LMHeadModel  # noqa: E402
+
+from tests.harness import deepspeed_engine as H  # noqa: E402
+from tests.harness import deepspeed_pipe as P  # noqa: E402
+from tests.harness.hf import load_hf  # noqa: E402
 
 LEGACY = {  # Megatron-DeepSpeed's local layer names -> Megatron-Core's (written out here, not imported)
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -64,17 +68,8 @@ def runs(tmp_path_factory):
 def run(runs, request):
     """(run root, each rank's truth) of one pipeline run: fp32 ZeRO-1, bf16 BF16_Optimizer."""
     name = request.param
-    truths = [torch.load(runs / f"{name}.rank{r}.truth.pt", weights_only=False) for r in range(2)]
+    truths = P.truths(runs, name)
     return runs / name, truths
-
-
-def _hf(path):
-    from transformers import GPT2LMHeadModel
-
-    model, info = GPT2LMHeadModel.from_pretrained(path, output_loading_info=True,
-                                                  attn_implementation="eager")
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    return model.eval()
 
 
 def test_inspect_reads_the_pipeline_topology_and_model(run, run_cli):
@@ -101,7 +96,7 @@ def test_to_hf_gives_the_pipeline_models_logits(run, run_cli, tmp_path):
     src, truths = run
     res = run_cli("convert", src, tmp_path / "hf", "--to", "hf", "--dtype", "fp32")
     assert res.code == 0, res.err
-    model = _hf(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf", GPT2LMHeadModel, attn_implementation="eager")
     tokens = H.pipe_tokens(H.NEXT_STEP, 3)[:, :-1]
     layers = {**truths[0]["layers"], **truths[1]["layers"]}
     reference = H.pipe_reference_logits(layers, tokens)
@@ -133,13 +128,8 @@ def test_megatron_tp2_and_back_to_hf_is_bit_equal(run, run_cli, tmp_path):
 def test_optimizer_state_is_the_engines(run, run_cli, tmp_path):
     """Through DCP: every fp32 master and Adam moment equals the engine's own, by name; the
     last stage's tied word embeddings equal the first stage's (the replica verify checks)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     src, truths = run
-    res = run_cli("convert", src, tmp_path / "dcp", "--to", "dcp")
-    assert res.code == 0, res.err
-    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "all.pt"))
-    got = torch.load(tmp_path / "all.pt", weights_only=False)
+    got = convert_to_torch(run_cli, src, tmp_path / "dcp")
     checked = 0
     for rank, truth in enumerate(truths):
         state = truth["state"]

@@ -1,6 +1,6 @@
 """``ckptool reshard`` of Megatron-DeepSpeed pipeline checkpoints to another PP (and TP, DP),
 checked against real DeepSpeed: a ``PipelineEngine`` trained and saved at TP1/PP2
-(``tests/ds_pipe_harness.py``), resharded from the CLI, loaded by plain
+(``tests/harness/deepspeed_pipe.py``), resharded from the CLI, loaded by plain
 ``engine.load_checkpoint`` at PP1, PP4 and PP1×DP2. TP2 targets are read back here and
 loaded by DeepSpeed into a tensor-parallel model in ``tests/test_deepspeed_pipe_tp.py``.
 
@@ -27,13 +27,10 @@ from tests.conftest import peer
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 peer("deepspeed")
 
-from tests import ds_harness as H  # noqa: E402
-from tests import ds_pipe_harness as P  # noqa: E402
+from tests.harness import deepspeed_engine as H  # noqa: E402
+from tests.harness import deepspeed_pipe as P  # noqa: E402
+from tests.harness.deepspeed_pipe import DEAD, KINDS, TAG  # noqa: E402
 
-KINDS = ("params", "exp_avg", "exp_avg_sq")
-DEAD = "tied_modules.embed.position_embeddings.weight"
-"""The last stage's copy of the tied module's position embeddings: no forward uses it."""
-TAG = f"global_step{H.STEPS}"
 
 
 @pytest.fixture(scope="module")
@@ -41,21 +38,6 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds_pipe_reshard")
     P.save(root)
     return root
-
-
-def _truths(root, name: str) -> list[dict]:
-    return [torch.load(root / f"{name}.rank{r}.truth.pt", weights_only=False) for r in range(2)]
-
-
-def _by_name(truths: list[dict]) -> dict:
-    """(kind, parameter name) -> the saving engine's tensor; a tied module's from the first
-    stage (the live copy)."""
-    out = {}
-    for truth in truths:
-        for kind in KINDS:
-            for name, value in truth["state"][kind].items():
-                out.setdefault((kind, name), value)
-    return out
 
 
 def test_stage_rule_is_deepspeeds():
@@ -81,8 +63,8 @@ def test_pp1_pp4_and_dp2_load_in_deepspeed_with_the_exact_state(runs, run_cli, t
     P.load(1, [(tmp_path / "pp1", 1, 1, "fp32", tmp_path / "got_pp1")])
     P.load(4, [(tmp_path / "pp4", 4, 1, "fp32", tmp_path / "got_pp4")])
     P.load(2, [(tmp_path / "dp2", 1, 1, "fp32", tmp_path / "got_dp2")])
-    truths = _truths(runs, "pipe")
-    source, loss = _by_name(truths), truths[0]["loss"]
+    truths = P.truths(runs, "pipe")
+    source, loss = P.by_name(truths), truths[0]["loss"]
     for out, world, stages, expected in (("pp1", 1, [0], 3 * 52), ("pp4", 4, [0, 1, 2, 3], 3 * 54),
                                          ("dp2", 2, [0, 0], 2 * 3 * 52)):
         got = P.results(tmp_path / f"got_{out}", world)  # PP4's last stage: the tied module again

@@ -1,8 +1,8 @@
 """``ckptool reshard`` of a Megatron-DeepSpeed pipeline checkpoint to TP2, loaded by real
-DeepSpeed: a TP1/PP2 fp32 ZeRO-1 ``PipelineEngine`` run (``tests/ds_pipe_harness.py``),
+DeepSpeed: a TP1/PP2 fp32 ZeRO-1 ``PipelineEngine`` run (``tests/harness/deepspeed_pipe.py``),
 resharded from the CLI to TP2/PP1 and TP2/PP2, then loaded by plain
 ``engine.load_checkpoint`` into the same model made tensor-parallel
-(``tests/ds_pipe_tp_harness.py``).
+(``tests/harness/deepspeed_pipe_tp.py``).
 
 Each TP-split tensor's shards, concatenated back by the harness's rule (``split_dim``), and
 each replicated tensor on every TP rank, equal what the saving engine held, by parameter
@@ -25,28 +25,18 @@ from tests.conftest import peer
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 peer("deepspeed")
 
-from tests import ds_harness as H  # noqa: E402
-from tests import ds_pipe_harness as P  # noqa: E402
-from tests import ds_pipe_tp_harness as T  # noqa: E402
-
-KINDS = ("params", "exp_avg", "exp_avg_sq")
-DEAD = "tied_modules.embed.position_embeddings.weight"
-"""The last stage's copy of the tied position embeddings: no forward uses it, no layer file
-keeps it (DeepSpeed leaves the module's copy as built); its optimizer state is written as a
-replica of the live one."""
-TAG = f"global_step{H.STEPS}"
+from tests.harness import deepspeed_engine as H  # noqa: E402
+from tests.harness import deepspeed_pipe as P  # noqa: E402
+from tests.harness import deepspeed_pipe_tp as T  # noqa: E402
+from tests.harness.deepspeed_pipe import DEAD, KINDS, TAG  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds_pipe_tp")
     P.save(root, runs=[("pipe", 1, "fp32")])
-    truths = [torch.load(root / f"pipe.rank{r}.truth.pt", weights_only=False) for r in range(2)]
-    source = {}
-    for truth in truths:  # a tied module's from the first stage (the live copy)
-        for kind in KINDS:
-            for name, value in truth["state"][kind].items():
-                source.setdefault((kind, name), value)
+    truths = P.truths(root, "pipe")
+    source = P.by_name(truths)  # a tied module's from the first stage (the live copy)
     return root / "pipe", source, truths[0]["loss"]
 
 

@@ -5,7 +5,7 @@ A bf16 engine without ZeRO (and not a pipeline) wraps the client optimizer in De
 FP16_UnfusedOptimizer (``DDP_BFLOAT16``; the fused FP16_Optimizer needs FusedAdam, which a
 CPU build lacks). Its ``optimizer`` entry in ``mp_rank_00_model_states.pt`` holds the torch
 state dict, the fp32 masters (``fp32_groups``) and the loss-scale entries. Real DeepSpeed
-trains at DP=2 (``tests/ds_harness.py``, precision ``bf16``); ckptool reshards to DP=3 and DP=1,
+trains at DP=2 (``tests/harness/deepspeed_engine.py``, precision ``bf16``); ckptool reshards to DP=3 and DP=1,
 to ZeRO-2, and a bf16 ZeRO-2 run to stage 0; plain ``engine.load_checkpoint`` loads each.
 """
 
@@ -22,7 +22,7 @@ from tests.conftest import peer
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 peer("deepspeed")
 
-from tests import ds_harness as H  # noqa: E402
+from tests.harness import deepspeed_engine as H  # noqa: E402
 
 RESHARDS = {  # name -> (source run, target DP, target stage)
     "s0_dp3": ("z0_bf16", 3, 0),

@@ -3,7 +3,7 @@ Megatron-Core.
 
 The source is a Megatron-DeepSpeed pipeline checkpoint (GPTModelPipe's layer files, legacy
 names) trained by a real DeepSpeed ``PipelineEngine`` at a constant learning rate
-(``tests/ds_pipe_harness.py``); the truth is the engine's own state at the save, and its
+(``tests/harness/deepspeed_pipe.py``); the truth is the engine's own state at the save, and its
 next step (loss, fp32 masters after it). The output is loaded the way Megatron-LM's loader
 does it: a real mcore ``GPTModel`` (``load_state_dict``), Megatron-Core's own optimizer over
 ``_get_param_groups`` (``load_state_dict``), then ``OptimizerParamScheduler.load_state_dict``
@@ -27,14 +27,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 peer("deepspeed")
 peer("megatron.core")
 
-from tests import ds_harness as H  # noqa: E402
-from tests import ds_pipe_harness as P  # noqa: E402
-from tests import mcore_harness as M  # noqa: E402
-from tests.ds_pipe_tp_harness import split_dim  # noqa: E402
+from tests.harness import deepspeed_engine as H  # noqa: E402
+from tests.harness import deepspeed_pipe as P  # noqa: E402
+from tests.harness import mcore as M  # noqa: E402
+from tests.harness.deepspeed_pipe_tp import split_dim  # noqa: E402
 from tests.test_deepspeed_pipe import canonical  # noqa: E402
 
 LR, WD = 1e-2, 0.01
-"""DeepSpeed's (ds_harness.config's AdamW lr; the pipeline groups' weight decay)."""
+"""DeepSpeed's (deepspeed_engine.config's AdamW lr; the pipeline groups' weight decay)."""
 SCHEDULE = dict(max_lr=LR, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=1000,
                 lr_decay_style="constant", start_wd=WD, end_wd=WD, wd_incr_steps=1000,
                 wd_incr_style="constant")
@@ -87,7 +87,7 @@ def _model(tp: int, bf16: bool):
 
 
 def _cpu_zeros():
-    """CPU shim (test only), as mcore_harness's for ``torch.tensor``: the gradient clipping's
+    """CPU shim (test only), as tests.harness.mcore's for ``torch.tensor``: the gradient clipping's
     ``torch.zeros(..., device='cuda')`` stays on the CPU."""
     zeros = torch.zeros
 

@@ -2,8 +2,8 @@
 real DeepSpeed with ``load_universal`` at other DP sizes and stages, equal to DeepSpeed's
 own ``ds_to_universal.py``, and read back (ckptool's and ds_to_universal's).
 
-The ZeRO checkpoints are written at DP=2 by ``tests/ds_harness.py``; the loads run in
-``tests/ds_universal_harness.py``. A load must give every fp32 master and Adam moment of
+The ZeRO checkpoints are written at DP=2 by ``tests/harness/deepspeed_engine.py``; the loads run in
+``tests/harness/deepspeed_universal.py``. A load must give every fp32 master and Adam moment of
 the source bit for bit, and one more step on the same global batch must give the loss and
 parameters of the run that continued without stopping.
 """
@@ -15,13 +15,13 @@ import os
 import pytest
 import torch
 
-from tests.conftest import peer
+from tests.conftest import convert_to_torch, peer
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 peer("deepspeed")
 
-from tests import ds_harness as H  # noqa: E402
-from tests import ds_universal_harness as U  # noqa: E402
+from tests.harness import deepspeed_engine as H  # noqa: E402
+from tests.harness import deepspeed_universal as U  # noqa: E402
 
 FORMAT = "deepspeed-universal"
 STAGES = (1, 2, 3)
@@ -99,12 +99,7 @@ def test_equals_deepspeeds_own_ds_to_universal(ucp, stage):
 
 
 def _dcp_tensors(run_cli, src, dst) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    res = run_cli("convert", src, dst, "--to", "dcp")
-    assert res.code == 0, res.err
-    dcp_to_torch_save(dst, dst.parent / f"{dst.name}.pt")
-    loaded = torch.load(dst.parent / f"{dst.name}.pt", weights_only=False)
+    loaded = convert_to_torch(run_cli, src, dst)
     return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
 
 

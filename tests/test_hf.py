@@ -1,5 +1,5 @@
 """Hugging Face conversion, proven by logits: transformers on one side, real megatron-core
-on the other (tests/mcore_harness.py)."""
+on the other (tests/harness/mcore.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ transformers = peer("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from tests import mcore_harness as H  # noqa: E402
+from tests.harness import mcore as H  # noqa: E402
+from tests.harness.hf import hf_logits, load_hf  # noqa: E402
 
 LLAMA_250 = dict(H.LLAMA, vocab_size=250)
 """GQA (8 heads, 4 kv groups), SwiGLU, untied, vocab 250 (not a multiple of 128)."""
@@ -53,18 +54,6 @@ def make_gpt2(root: Path, m=GPT_250):
     _perturb_norms(model)
     model.save_pretrained(root)
     return model
-
-
-def hf_logits(model, vocab: int) -> torch.Tensor:
-    with torch.no_grad():
-        return model(H.tokens(vocab)).logits
-
-
-def load_hf(root: Path):
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        root, output_loading_info=True, dtype=torch.float32)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    return model.eval()
 
 
 def weights(root: Path) -> dict[str, torch.Tensor]:
@@ -110,7 +99,7 @@ def test_megatron_to_hf_loads_in_transformers_with_the_same_logits(family, tmp_p
     dst = tmp_path / "hf"
     r = run_cli("convert", src, dst, "--to", "hf", "--true-vocab-size", m["vocab_size"])
     assert r.code == 0, r.err
-    model = load_hf(dst)
+    model = load_hf(dst, dtype=torch.float32)
     assert model.config.vocab_size == m["vocab_size"]
     assert_close(hf_logits(model, m["vocab_size"]), want)
 
@@ -120,7 +109,7 @@ def test_unknown_true_vocab_keeps_every_stored_row(tmp_path, run_cli):
     want = H.save_real(H.GPT, 1, src)  # vocab 1003 padded to 1024; its args do not say 1003
     dst = tmp_path / "hf"
     assert run_cli("convert", src, dst, "--to", "hf").code == 0
-    model = load_hf(dst)
+    model = load_hf(dst, dtype=torch.float32)
     assert model.config.vocab_size == 1024
     assert_close(hf_logits(model, 1003)[..., :1003], want)
 
@@ -150,7 +139,7 @@ def test_sharded_output_loads_in_transformers(gpt2, tmp_path, run_cli):
     assert len(files) > 3 and all(p.stat().st_size <= 40_000 + 4096 for p in dst.glob("*.safetensors"))
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == files
-    assert_close(hf_logits(load_hf(dst), 250), hf_logits(model, 250))
+    assert_close(hf_logits(load_hf(dst, dtype=torch.float32), 250), hf_logits(model, 250))
     # ... and ckptool reads the sharded form back.
     assert run_cli("verify", "--deep", dst).code == 0
 
@@ -162,7 +151,7 @@ def test_dtype_option_writes_bf16(llama, tmp_path, run_cli):
     w = weights(dst)
     assert {t.dtype for t in w.values()} == {torch.bfloat16}
     assert torch.equal(w["model.norm.weight"], weights(root)["model.norm.weight"].bfloat16())
-    load_hf(dst)
+    load_hf(dst, dtype=torch.float32)
 
 
 def test_unknown_family_is_refused_then_named(llama, tmp_path, run_cli):

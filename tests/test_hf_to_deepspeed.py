@@ -22,7 +22,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 peer("deepspeed")
 peer("transformers")
 
-from tests import ds_harness as H  # noqa: E402
+from tests.harness import deepspeed_engine as H  # noqa: E402
 
 # (family, ZeRO stage, param groups, --init-optimizer)
 # (family, ZeRO stage, param groups, how DeepSpeed loads it, precision of weights and engine):

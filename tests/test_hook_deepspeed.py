@@ -1,6 +1,6 @@
 """The save hook on real DeepSpeed ZeRO engines: save at DP=2, load at DP=3.
 
-Real DeepSpeed (``tests/ds_harness.py``) trains ZeRO-1/2/3 at DP=2 and saves through
+Real DeepSpeed (``tests/harness/deepspeed_engine.py``) trains ZeRO-1/2/3 at DP=2 and saves through
 ``AsyncCheckpointer`` with ``training.deepspeed.sharded_state(engine)``; then takes one more
 step on a fixed global batch (the uninterrupted run). A DP=3 job builds fresh engines,
 ``load_latest`` into their description, and takes the same step: the loss and the updated
@@ -21,7 +21,7 @@ from tests.conftest import peer
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 peer("deepspeed")
 
-from tests import ds_harness as H  # noqa: E402
+from tests.harness import deepspeed_engine as H  # noqa: E402
 
 STAGES = (1, 2, 3)
 CASES = [(stage, "fp32") for stage in STAGES] + [(2, "bf16"), (3, "bf16"), (2, "align")]

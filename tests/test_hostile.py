@@ -29,7 +29,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from tests.conftest import peer, sample_state
+from tests.conftest import CliResult, peer, sample_state
+from tests.harness import deepspeed_engine as DH
+from tests.harness import mcore as MH
+from tests.harness.damage import patch, truncate
 
 REPO = Path(__file__).resolve().parents[1]
 SECONDS = 30
@@ -66,15 +69,11 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     transformers.LlamaForCausalLM(cfg).save_pretrained(base / "hf", max_shard_size="8KB")
     made["hf"] = base / "hf"
     peer("megatron.core")
-    from tests import mcore_harness as MH
-
     MH.save_real(MH.LLAMA, 2, base / "megatron")
     made["megatron"] = base / "megatron"
     MH.save_dist(MH.LLAMA, 1, base / "megatron-dist")
     made["megatron-dist"] = base / "megatron-dist"
     peer("deepspeed")
-    from tests import ds_harness as DH
-
     DH.save(base / "ds", [1], dp=2)
     made["deepspeed"] = base / "ds" / "z1"
     from converters import dcp as ckptool_dcp
@@ -278,10 +277,10 @@ CASES = [
     # ---- damaged containers, caught by plain verify from metadata alone
     Case("hf-offsets-past-end", "hf", lambda c: _edit_st_header(_first_shard(c.ckpt), _grow_last),
          "truncated"),
-    Case("hf-truncated", "hf", lambda c: _truncate(_first_shard(c.ckpt), 100), "truncated"),
+    Case("hf-truncated", "hf", lambda c: truncate(_first_shard(c.ckpt), 100), "truncated"),
     Case("hf-overlap", "hf", lambda c: _edit_st_header(_first_shard(c.ckpt), lambda h: _overlap(h)),
          "overlaps"),
-    Case("hf-huge-header", "hf", lambda c: _patch(_first_shard(c.ckpt), 0, struct.pack("<Q", 1 << 60)),
+    Case("hf-huge-header", "hf", lambda c: patch(_first_shard(c.ckpt), 0, struct.pack("<Q", 1 << 60)),
          "does not fit the file"),
     Case("hf-huge-shape", "hf", lambda c: _edit_st_header(_first_shard(c.ckpt), lambda h: h[
         _tensors(h)[0]].update(shape=[1 << 40, 1 << 40])), "bytes, not"),
@@ -294,23 +293,12 @@ CASES = [
          "is outside"),
     Case("megatron-zip-renamed-record", "megatron", lambda c: _rename_local_record(_meg_rank_file(c.ckpt)),
          "in its local header", codes={"inspect": 1}),
-    Case("megatron-truncated", "megatron", lambda c: _truncate(_meg_rank_file(c.ckpt, 1), 4096),
+    Case("megatron-truncated", "megatron", lambda c: truncate(_meg_rank_file(c.ckpt, 1), 4096),
          "not a readable torch.save archive"),
     # ---- reads that could block
     Case("dcp-metadata-fifo", "dcp", lambda c: _fifo(c, ".metadata"), "FIFO", fifo=True),
     Case("hf-config-fifo", "hf", lambda c: _fifo(c, "config.json"), "FIFO", fifo=True),
 ]
-
-
-def _truncate(path: Path, n: int) -> None:
-    raw = path.read_bytes()
-    path.write_bytes(raw[:-n])
-
-
-def _patch(path: Path, at: int, data: bytes) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[at:at + len(data)] = data
-    path.write_bytes(bytes(raw))
 
 
 def _grow_last(header: dict) -> None:
@@ -423,8 +411,6 @@ def _run_subprocess(args: list[str]):
                            timeout=SECONDS * 2, env=env, cwd=REPO)
     except subprocess.TimeoutExpired:
         pytest.fail(f"ckptool {' '.join(args)} did not finish in {SECONDS * 2} s (a blocking read?)")
-    from tests.conftest import CliResult
-
     return CliResult(p.returncode, p.stdout, p.stderr)
 
 

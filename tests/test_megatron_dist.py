@@ -13,7 +13,7 @@ import torch
 peer("megatron.core")
 
 from ckptool.checkpoint import open_checkpoint  # noqa: E402
-from tests import mcore_harness as H  # noqa: E402
+from tests.harness import mcore as H  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +138,7 @@ def trained_legacy(tmp_path_factory):
 
 
 def _common_optimizer(root):
-    it = next(p for p in root.iterdir() if p.name.startswith("iter_"))
-    return torch.load(it / "common.pt", weights_only=False)["optimizer"]
+    return H.load_common(root)["optimizer"]
 
 
 def _same_common_optimizer(a, b):

@@ -1,5 +1,5 @@
 """Megatron-Core ``torch_dist`` checkpoints with the distributed optimizer's state, against
-real megatron-core 0.16 (``tests/distopt_dist_harness.py``: DistributedDataParallel with the
+real megatron-core 0.16 (``tests/harness/mcore_distopt_torch_dist.py``: DistributedDataParallel with the
 distributed optimizer, one Adam step, ``dist_checkpointing.save`` in each sharding type).
 
 Ground truth is each process's optimizer shard, taken from the optimizer. Reading is checked
@@ -24,9 +24,9 @@ from ckptool.checkpoint import open_checkpoint  # noqa: E402
 from converters import megatron_dist_distopt as dd  # noqa: E402
 from converters import megatron_distopt as distopt  # noqa: E402
 from converters import megatron_optimizer as optim  # noqa: E402
-from tests import distopt_dist_harness as H  # noqa: E402
-from tests import distopt_harness as D  # noqa: E402
-from tests.test_megatron_distopt import WORD, _global, _local  # noqa: E402
+from tests.harness import mcore_distopt_torch_dist as H  # noqa: E402
+from tests.harness import mcore_distopt as D  # noqa: E402
+from tests.harness.mcore import load_common  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +37,13 @@ def real(tmp_path_factory):
 
 
 def _want(real, name: str) -> dict:
-    return _global(D.truth(real, name), H.CASES[name])
+    return D.canonical_state(D.truth(real, name), H.CASES[name])
 
 
 def _exact(opened, want: dict) -> None:
     for key, value in want.items():
         got = full_tensor(opened, key)
         assert got.dtype == torch.float32 and torch.equal(got, value), key
-
-
-def _common(path):
-    return torch.load(next(path.glob("iter_*/common.pt")), weights_only=False)
 
 
 @pytest.mark.parametrize("name", ["dp2", "tp2", "full", "pp2"])
@@ -71,7 +67,7 @@ def test_read_gives_the_optimizer_shards_bit_exact(real, name):
         assert len(dumps[0]["buffers"][0]["buckets"]) > 2
         for dump in dumps:
             (buf,) = dump["buffers"]
-            word = WORD if dump["pp"] == 0 else "output_layer.weight"
+            word = D.WORD if dump["pp"] == 0 else "output_layer.weight"
             assert [n for n, v in buf["params"].items() if v[2] == buf["params"][word][2]] == [word]
 
 
@@ -165,7 +161,7 @@ def test_unmappable_state_is_refused_with_the_reason(real, tmp_path, run_cli, ed
     assert shown.code == 0 and "optimizer   not mapped to parameters:" in shown.out and message in shown.out
     res = run_cli("reshard", src, dst, "--to-tp", 2, "--to-dp", 1, "--drop-optimizer")
     assert res.code == 0, res.err
-    assert "optimizer" not in _common(dst)
+    assert "optimizer" not in load_common(dst)
 
 
 def test_round_trip_is_bit_exact(real, tmp_path, run_cli):
@@ -186,7 +182,7 @@ def test_round_trip_is_bit_exact(real, tmp_path, run_cli):
             assert torch.equal(full_tensor(opened, key), full_tensor(source, key)), (out.name, key)
         assert opened.index.objects[optim.DISTRIBUTED_KEY].value.state == \
             source.index.objects[optim.DISTRIBUTED_KEY].value.state
-    assert _common(back)["content_metadata"] == {"distrib_optim_sharding_type": dd.WRITTEN}
+    assert load_common(back)["content_metadata"] == {"distrib_optim_sharding_type": dd.WRITTEN}
     assert run_cli("verify", back, "--deep").code == 0
 
 
@@ -201,7 +197,7 @@ def test_reshard_loads_in_mcore_and_resumes_like_the_uninterrupted_run(real, tmp
         res = run_cli("reshard", real / name, dst, *flags)
         assert res.code == 0, res.err
         assert f"written in Megatron-Core's '{dd.WRITTEN}' form" in res.out
-        assert _common(dst)["optimizer"]["param_state_sharding_type"] == dd.WRITTEN
+        assert load_common(dst)["optimizer"]["param_state_sharding_type"] == dd.WRITTEN
         outs[dst] = name
     legacy, dst = tmp_path / "legacy", tmp_path / "via-legacy"
     assert run_cli("convert", real / "tp2", legacy, "--to", "megatron").code == 0
@@ -227,8 +223,8 @@ def test_pipeline_reshard_loads_in_mcore_and_resumes_like_the_uninterrupted_run(
     _resumes_like_the_uninterrupted_run(real, tmp_path, outs)
     for dst in (tmp_path / "tp2-pp2", tmp_path / "full-pp2"):  # the tied copies agree
         loaded, _ = H.dumps(tmp_path / f"{dst.name}.resumed")
-        stages = _local(loaded)
-        first, last = stages[(0, 0)][WORD], stages[(0, 1)]["output_layer.weight"]
+        stages = D.local_state(loaded)
+        first, last = stages[(0, 0)][D.WORD], stages[(0, 1)]["output_layer.weight"]
         assert all(torch.equal(first[k], last[k]) for k in ("param", "exp_avg", "exp_avg_sq"))
 
 
@@ -239,10 +235,10 @@ def _resumes_like_the_uninterrupted_run(real, tmp_path, outs: dict) -> None:
     for dst, name in outs.items():
         loaded, (before, after) = H.dumps(tmp_path / f"{dst.name}.resumed")
         _, (want_before, want_after) = H.dumps(real / f"{name}.truth")
-        args = _common(dst)["args"]
+        args = load_common(dst)["args"]
         assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) != \
             (H.CASES[name]["tp"], H.CASES[name]["pp"])
-        got = _global(loaded, D.case_from_args(args))
+        got = D.canonical_state(loaded, D.case_from_args(args))
         want = _want(real, name)
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in want), dst.name

@@ -1,6 +1,6 @@
 """Megatron's distributed optimizer state (``distrib_optim.pt``) against real megatron-core.
 
-The checkpoints are written by real megatron-core on CPU (``tests/distopt_harness.py``:
+The checkpoints are written by real megatron-core on CPU (``tests/harness/mcore_distopt.py``:
 DistributedDataParallel with the distributed optimizer, one Adam step, Megatron-LM's
 legacy save). Ground truth is each process's optimizer shard, taken from the optimizer,
 not from the file. Results are checked bit for bit: read through ``ckptool convert --to
@@ -10,7 +10,6 @@ dcp`` and torch DCP, and written by ``ckptool reshard`` then loaded by real mega
 from __future__ import annotations
 
 import json
-import re
 import shutil
 
 import pytest
@@ -21,16 +20,7 @@ import torch
 peer("megatron.core")
 
 from converters import megatron_distopt as distopt  # noqa: E402
-from tests import distopt_harness as H  # noqa: E402
-
-KINDS = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-WORD = "embedding.word_embeddings.weight"
-# mcore local-spec names -> canonical names, and the TP split of each (by hand, not ckptool's)
-_NORMS = {"input_layernorm": "self_attention.linear_qkv.layer_norm",
-          "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm"}
-_DIM0 = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
-         "word_embeddings.weight", "output_layer.weight")
-_DIM1 = ("linear_proj.weight", "linear_fc2.weight")
+from tests.harness import mcore_distopt as H  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -38,57 +28,6 @@ def real(tmp_path_factory):
     root = tmp_path_factory.mktemp("distopt")
     H.generate(root)
     return root
-
-
-def _local(dumps: list[dict]) -> dict:
-    """(tp, pp) -> local name -> kind -> the whole local tensor, from the DP ranks' shards."""
-    out: dict = {}
-    for dump in dumps:
-        rank = out.setdefault((dump["tp"], dump["pp"]), {})
-        for name, (start, end, shape, tensors) in dump["shards"].items():
-            entry = rank.setdefault(name, {"shape": shape, "seen": 0})
-            for kind, t in tensors.items():
-                flat = entry.setdefault(kind, torch.zeros(torch.Size(shape).numel()))
-                flat[start:end] = t
-            entry["seen"] += end - start
-    for rank in out.values():
-        for name, entry in rank.items():
-            assert entry["seen"] == torch.Size(entry["shape"]).numel(), name
-    return out
-
-
-def _canonical(name: str, pp_rank: int, per_stage: int) -> str:
-    m = re.match(r"decoder\.layers\.(\d+)\.(\w+)\.(weight|bias)$", name)
-    if m and m.group(2) in _NORMS:
-        name = f"decoder.layers.{m.group(1)}.{_NORMS[m.group(2)]}_{m.group(3)}"
-    return re.sub(r"layers\.(\d+)\.", lambda g: f"layers.{int(g.group(1)) + pp_rank * per_stage}.",
-                  name)
-
-
-def _global(dumps: list[dict], case: dict) -> dict:
-    """Canonical ``optimizer.state.<kind>.<key>`` -> global tensor, TP shards joined by hand."""
-    local = _local(dumps)
-    tp, pp = case["tp"], case["pp"]
-    per_stage = case["layers"] // pp
-    out = {}
-    for (t, p), params in sorted(local.items()):
-        for name, entry in params.items():
-            if case["tied"] and name == "output_layer.weight":
-                continue  # the last stage's copy of the tied embedding
-            key = _canonical(name, p, per_stage)
-            for kind, canon in KINDS.items():
-                out.setdefault(f"optimizer.state.{canon}.{key}", []).append(
-                    entry[kind].view(entry["shape"]))
-    for key, parts in out.items():
-        if len(parts) == 1:
-            out[key] = parts[0]
-        elif key.endswith(_DIM0) or key.endswith(_DIM1):
-            out[key] = torch.cat(parts, dim=0 if key.endswith(_DIM0) else 1)
-        else:  # TP-replicated: every rank holds the same
-            assert all(torch.equal(parts[0], x) for x in parts), key
-            out[key] = parts[0]
-        assert len(parts) in (1, tp), key
-    return out
 
 
 def _same(got: dict, want: dict, rows: int | None = None):
@@ -110,7 +49,7 @@ def test_layout_rule_gives_mcore_buffer_offsets(real, name):
         base = [sum(buf["unpadded"][:b]) for b in range(len(buf["buckets"]))]
         want = {n: base[b] + start - buf["buckets"][b][0] for n, (start, _, b) in buf["params"].items()}
         params = [distopt.Param(n, torch.Size(shape).numel(), buf["key"][0], distopt.shared_embedding(
-            WORD if (case["tied"] and n == "output_layer.weight") else n, case["tied"], case["pp"]))
+            H.WORD if (case["tied"] and n == "output_layer.weight") else n, case["tied"], case["pp"]))
             for n, shape in dump["names"]]
         (got,) = distopt.layout([params], args, args.data_parallel_size, dump["pp"])
         assert got.offsets == want and got.numel_unpadded == sum(buf["unpadded"])
@@ -125,7 +64,7 @@ def test_convert_to_dcp_carries_the_optimizer_state_bit_exact(real, name, tmp_pa
     dst = tmp_path / "dcp"
     res = run_cli("convert", real / name, dst, "--to", "dcp")
     assert res.code == 0, res.err
-    want = _global(H.truth(real, name), H.CASES[name])
+    want = H.canonical_state(H.truth(real, name), H.CASES[name])
     stored = dcp.FileSystemReader(str(dst)).read_metadata().state_dict_metadata
     assert {k for k in stored if k.startswith("optimizer.")} == set(want)
     got = {k: torch.empty_like(v) for k, v in want.items()}
@@ -167,8 +106,8 @@ def test_reshard_writes_distrib_optim_that_mcore_loads(real, tmp_path, run_cli):
     for dst, loaded in zip(outs, H.load(outs)):
         name = dst.name
         args = torch.load(next(dst.glob("iter_*/mp_rank_*/model_optim_rng.pt")), weights_only=False)["args"]
-        want = _global(H.truth(real, name), H.CASES[name])
-        _same(_global(loaded, H.case_from_args(args)), want, rows=H.CASES[name]["vocab"])
+        want = H.canonical_state(H.truth(real, name), H.CASES[name])
+        _same(H.canonical_state(loaded, H.case_from_args(args)), want, rows=H.CASES[name]["vocab"])
 
 
 def _copy_with(real, tmp_path, edit_args=None, edit_file=None, edit_state=None):
@@ -193,7 +132,7 @@ def _forget_bucketing(args):
 
 
 def _word_embedding_last(state):
-    state["model"][WORD] = state["model"].pop(WORD)
+    state["model"][H.WORD] = state["model"].pop(H.WORD)
 
 
 def _expert_parallel(state):

@@ -16,7 +16,7 @@ import torch
 
 peer("megatron.core")
 
-from tests import mcore_harness as H  # noqa: E402
+from tests.harness import mcore as H  # noqa: E402
 
 TOL = 1e-5
 

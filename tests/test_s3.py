@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 
-from tests.conftest import free_port, peer, spawn_gloo  # noqa: E402
+from tests.conftest import assembled, free_port, peer, spawn_gloo  # noqa: E402
+from tests.harness.damage import flip_bit  # noqa: E402
 
 peer("s3fs")
 peer("moto")
@@ -76,14 +77,7 @@ def _tensors(url: str) -> dict[str, torch.Tensor]:
     from ckptool.checkpoint import open_checkpoint
 
     opened = open_checkpoint(url)
-    out = {}
-    for key, info in opened.index.tensors.items():
-        full = torch.empty(info.shape, dtype=info.dtype)
-        for p in info.pieces:
-            full[tuple(slice(o, o + n) for o, n in zip(p.region.offsets, p.region.lengths))] = \
-                opened.reader.read_piece(opened.store, p, info.dtype)
-        out[key] = full
-    return out
+    return {key: assembled(opened, key) for key in opened.index.tensors}
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +126,7 @@ def test_verify_catches_a_corrupted_object(s3, run, run_cli, tmp_path):
     s3.copy(f"{BUCKET}/run/step_00000001", f"{BUCKET}/corrupt/step_00000001", recursive=True)
     s3.copy(f"{BUCKET}/run/step_00000002", f"{BUCKET}/corrupt/step_00000002", recursive=True)
     victim = next(f for f in s3.ls(f"{BUCKET}/corrupt/step_00000002") if f.endswith(".distcp"))
-    data = bytearray(s3.cat_file(victim))
-    data[len(data) // 2] ^= 1
-    s3.pipe_file(victim, bytes(data))
+    s3.pipe_file(victim, flip_bit(s3.cat_file(victim)))
     r = run_cli("verify", f"s3://{BUCKET}/corrupt/step_00000002")
     assert r.code == 1 and "checksum mismatch" in r.out + r.err
     r = run_cli("latest", f"s3://{BUCKET}/corrupt")

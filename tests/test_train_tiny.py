@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from tests.conftest import free_port
+from tests.harness import mcore as H
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,8 +72,6 @@ def test_a_restart_resumes_from_the_last_committed_save_after_a_crash(tmp_path, 
 def test_megatron_adapter_matches_real_megatron_layout(tmp_path, run_cli):
     """A real mcore GPTModel (GQA, SwiGLU, vocab 1000) at TP2 saved through the hook converts
     to legacy Megatron TP1/PP2, and real mcore stage models give the same logits."""
-    from tests import mcore_harness as H
-
     run = tmp_path / "hook"
     logits = H.hook_save_real(H.LLAMA, 2, run)
     step = run / "step_00000010"

@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckptool.checkpoint import open_checkpoint
 from tests.conftest import sample_state
+from tests.harness.damage import flip_bit, patch, truncate
 
 
 def _data_file(path):
@@ -30,15 +31,13 @@ def test_committed_checkpoint_verifies(tmp_path, make_ckpt, run_cli):
 
 def _flip_byte(path):
     f = _data_file(path)
-    data = bytearray(f.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    f.write_bytes(bytes(data))
+    f.write_bytes(flip_bit(f.read_bytes()))
     return f
 
 
 def _truncate(path):
     f = _data_file(path)
-    f.write_bytes(f.read_bytes()[:-100])
+    truncate(f, 100)
     return f
 
 
@@ -88,14 +87,12 @@ def test_flipped_byte_without_manifest_is_caught_by_deep(tmp_path, run_cli):
     path = tmp_path / "foreign"
     dcp.save(sample_state(), checkpoint_id=str(path))
     f = _data_file(path)
-    data = bytearray(f.read_bytes())
     # damage the pickle of the first tensor chunk so that it cannot be read back (objects,
     # which plain verify reads through the unpickler, are left alone)
     opened = open_checkpoint(str(path))
     first = min((p.location.offset for t in opened.index.tensors.values() for p in t.pieces
                  if p.location.file == f.name))
-    data[first + 60:first + 80] = b"\xff" * 20
-    f.write_bytes(bytes(data))
+    patch(f, first + 60, b"\xff" * 20)
     assert run_cli("verify", path).code == 0  # structure alone looks fine
     res = run_cli("verify", path, "--deep")
     assert res.code == 1 and str(f) in res.out

@@ -7,22 +7,33 @@ continued without resharding. ``load`` builds the same engine at another DP size
 stage), calls plain ``engine.load_checkpoint``, records the loaded state and takes the same
 step. Several stages run one after another in the same processes, to keep the spawns few.
 
+The same engines train the other models the DeepSpeed tests need: Hugging Face models
+under ZeRO, saved as the HF Trainer lays them out (``save_hf``, ``hf_start``), and a
+GPTModelPipe-shaped ``PipelineModule`` saved as Megatron-DeepSpeed saves its pipeline runs
+(``pipe_specs``, ``save_pipe``; :mod:`tests.harness.deepspeed_pipe` runs it at any pipeline
+size).
+
 DeepSpeed would JIT-build a CPU shared-memory comm op on first use (minutes); the harness
 marks it unavailable, since gloo does the collectives.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
+import random
 import warnings
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from tests.conftest import free_port, spawn  # noqa: E402
 
 VOCAB, HIDDEN, FFN, SEQ, GLOBAL_BATCH = 29, 7, 9, 6, 6
 """Sizes that are not multiples of 2*DP for DP 1-3; the global batch divides by 1, 2 and 3."""
@@ -81,14 +92,20 @@ def config(stage: int, dp: int, precision: str = "fp32") -> dict:
     return cfg
 
 
+def decay_groups(model) -> list[dict]:
+    """The trainable parameters in two param groups, as Megatron groups them: the matrices
+    with weight decay 0.01, the rest (biases, norms) without."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.01},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def engine(stage: int, dp: int, precision: str = "fp32"):
     import deepspeed
 
     torch.manual_seed(0)
     model = Tiny()
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.01},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = decay_groups(model)
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config(stage, dp, precision))
     return eng
 
@@ -224,8 +241,6 @@ def _init(rank: int, world: int, port: int) -> None:
 
 
 def _spawn(fn, nprocs: int, *args) -> None:
-    from tests.conftest import free_port, spawn
-
     spawn(fn, nprocs, (nprocs, *args, free_port()), "DeepSpeed harness")
 
 
@@ -276,9 +291,7 @@ def _hf_save_worker(rank: int, dp: int, root: str, jobs: list[tuple[str, int, st
     _init(rank, dp, port)
     for family, stage, precision in jobs:
         model = hf_model(family)
-        params = [p for p in model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.01},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = decay_groups(model)
         eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
                                             config=config(stage, dp, precision))
         vocab = model.config.vocab_size
@@ -310,11 +323,9 @@ def fp32_masters(eng) -> dict:
 
 
 def _hf_groups(model, groups: str):
-    params = [p for p in model.parameters() if p.requires_grad]
     if groups == "single":
-        return params
-    return [{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.01},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return [p for p in model.parameters() if p.requires_grad]
+    return decay_groups(model)
 
 
 def _hf_start_worker(rank: int, dp: int, jobs: list[tuple], port: int) -> None:
@@ -523,11 +534,7 @@ bf16 runs do."""
 
 
 def _pipe_run(rank: int, world: int, root: str, pp: int, name: str, stage: int, precision: str) -> None:
-    import argparse
-    import random
-
     import deepspeed
-    import numpy as np
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -536,9 +543,7 @@ def _pipe_run(rank: int, world: int, root: str, pp: int, name: str, stage: int, 
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=1, num_dp=dp)
     model = PipelineModule(layers=pipe_specs(), loss_fn=_cross_entropy, topology=topo,
                            partition_method="type:transformer")
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.01},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = decay_groups(model)
     cfg = config(stage, dp, precision)
     cfg.update(train_batch_size=PIPE_MICRO * PIPE_GAS * dp, train_micro_batch_size_per_gpu=PIPE_MICRO,
                gradient_accumulation_steps=PIPE_GAS)

@@ -1,4 +1,4 @@
-"""Real DeepSpeed ``PipelineEngine``s at TP > 1: :mod:`tests.ds_pipe_harness`'s
+"""Real DeepSpeed ``PipelineEngine``s at TP > 1: :mod:`tests.harness.deepspeed_pipe`'s
 GPTModelPipe-shaped model made tensor-parallel over the ``model`` axis of DeepSpeed's
 ``PipeModelDataParallelTopology``, with plain ``torch.distributed`` collectives (gloo), as
 Megatron's legacy ``ParallelTransformerLayerPipe`` splits it:
@@ -31,8 +31,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tests import ds_harness as H  # noqa: E402
-from tests import ds_pipe_harness as P  # noqa: E402
+from tests.harness import deepspeed_engine as H  # noqa: E402
+from tests.harness import deepspeed_pipe as P  # noqa: E402
 
 _TP: dict = {"group": None, "rank": 0, "size": 1}
 """This process's tensor-parallel group, rank and size, set by :func:`engine` before the
@@ -181,7 +181,7 @@ def _logits_helper(embedding, hidden):
 
 
 def pipe_specs() -> list:
-    """:func:`tests.ds_harness.pipe_specs` (same indices, ties and partition weights) with
+    """:func:`tests.harness.deepspeed_engine.pipe_specs` (same indices, ties and partition weights) with
     the tensor-parallel modules."""
     swap = {H._Embedding: _Embedding, H.ParallelTransformerLayerPipe: ParallelTransformerLayerPipe}
     specs = H.pipe_specs()
@@ -201,7 +201,7 @@ def _tp_group(topo) -> None:
 
 
 def engine(tp: int, pp: int, dp: int):
-    """:func:`tests.ds_pipe_harness.engine`'s fp32 ZeRO-1 engine at TP ``tp``."""
+    """:func:`tests.harness.deepspeed_pipe.engine`'s fp32 ZeRO-1 engine at TP ``tp``."""
     import deepspeed
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -211,11 +211,9 @@ def engine(tp: int, pp: int, dp: int):
     _tp_group(topo)
     model = PipelineModule(layers=pipe_specs(), loss_fn=H._cross_entropy, topology=topo,
                            partition_method="type:transformer")
-    params = [p for p in model.parameters() if p.requires_grad]
     for name, p in model.named_parameters():
         assert getattr(p, "tensor_model_parallel", False) == (split_dim(name) is not None), name
-    groups = [{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.01},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = H.decay_groups(model)
     cfg = H.config(1, dp, "fp32")
     cfg.update(train_batch_size=P.GLOBAL, train_micro_batch_size_per_gpu=H.PIPE_MICRO,
                gradient_accumulation_steps=P.GLOBAL // (H.PIPE_MICRO * dp))

@@ -7,7 +7,7 @@ own optimizer, takes one Adam step from seeded gradients, and saves what Megatro
 ``torch_dist`` checkpointing saves: ``dist_checkpointing.save`` of the model's and the
 optimizer's sharded state dicts (``metadata["distrib_optim_sharding_type"]`` = the case's
 sharding type), with ``content_metadata``. It dumps each process's optimizer shards (the
-ground truth, from the optimizer: :func:`tests.distopt_harness._truth`), then records the loss of a forward
+ground truth, from the optimizer: :func:`tests.harness.mcore_distopt._truth`), then records the loss of a forward
 pass before and after a second step (the uninterrupted run).
 
 ``resume`` does what Megatron-LM's loader does (``dist_checkpointing.load`` of the model's and
@@ -19,7 +19,7 @@ Gradients are seeded per *global* parameter (by global layer index; the tied out
 as the word embedding) and sliced to this rank's TP shard, so a step at any TP/PP applies
 the same update: the loss after it depends on the topology only through float rounding. The vocabulary (256) pads to itself at TP 1 and 2.
 
-Shims: those of :mod:`tests.distopt_harness`, :func:`distopt_harness._keep_step_on_load`,
+Shims: those of :mod:`tests.harness.mcore_distopt`, :func:`tests.harness.mcore_distopt._keep_step_on_load`,
 mcore's own dummy optimizer state before loading, and :func:`_unshare_steps`.
 """
 
@@ -32,7 +32,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests import distopt_harness as D
+from tests.harness import mcore as M
+from tests.harness import mcore_distopt as D
+from tests.harness.mcore import _spawn
 
 WORLD = D.WORLD
 BASE = dict(D.BASE, vocab=256)
@@ -89,8 +91,6 @@ def _step(ps, ddp, opt, c: dict, step: int) -> None:
 
 def _loss(ps, ddp, c: dict) -> float | None:
     """Cross-entropy of a fixed batch after the step (on the first process), or None."""
-    from tests import mcore_harness as M
-
     m = dict(vocab_size=c["vocab"], hidden_size=c["hidden"])
     logits = M._forward(ps, ddp.module, m, c["tp"], c["pp"])
     if logits is None:
@@ -177,16 +177,12 @@ def _unshare_steps(opt) -> None:
 
 def train_and_save(root: Path, cases: dict = CASES) -> None:
     """Each case's checkpoint at ``root/<case>``; its truth and loss at ``root/<case>.truth``."""
-    from tests.mcore_harness import _spawn
-
     _spawn(_save_worker, WORLD, cases, str(root))
 
 
 def resume(checkpoints: list[Path]) -> None:
     """Load each checkpoint into real mcore at its topology and take the second step; the
     loaded shards and the loss at ``<checkpoint>.resumed`` (see :func:`dumps`)."""
-    from tests.mcore_harness import _spawn
-
     _spawn(_resume_worker, WORLD, [str(c) for c in checkpoints])
 
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from tests.conftest import free_port, spawn
 
 SEQ, BATCH = 8, 2
 
@@ -161,8 +164,8 @@ def _load_worker(rank, m, tp, pp, root, out, no_rng, port):
 def _hook_save_worker(rank, m, tp, root, port):
     """The training hook on a real mcore model: ``training.megatron.sharded_state`` describes
     its local TP parameters; ``AsyncCheckpointer`` writes them."""
-    from dataclasses import asdict
-
+    # Imported here on purpose: the fork server preloads this module (conftest.PRELOAD), and
+    # these import fsspec, which reads its FSSPEC_* configuration once, at import.
     from converters.megatron_common import spec_from_args
     from training import AsyncCheckpointer
     from training.megatron import sharded_state
@@ -188,9 +191,12 @@ def hook_save_real(m: dict, tp: int, root: Path) -> torch.Tensor:
     return torch.load(root.parent / f"{root.name}.logits.pt")
 
 
-def _spawn(fn, nprocs, *args):
-    from tests.conftest import free_port, spawn
+def load_common(root: Path) -> dict:
+    """The ``common.pt`` of a ``torch_dist`` run root's (one) iteration: ``iter_*/common.pt``."""
+    return torch.load(next(Path(root).glob("iter_*/common.pt")), weights_only=False)
 
+
+def _spawn(fn, nprocs, *args):
     spawn(fn, nprocs, (*args, free_port()), "mcore harness")
 
 

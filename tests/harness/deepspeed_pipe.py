@@ -2,10 +2,11 @@
 pipeline size, then load at another and take the same next step.
 
 The model, its spec list (GPTModelPipe's layer indices), the config and the batches are
-:mod:`tests.ds_harness`'s. ``save`` records, per rank, the engine's fp32 masters and Adam
+:mod:`tests.harness.deepspeed_engine`'s. ``save`` records, per rank, the engine's fp32 masters and Adam
 moments at the save and the loss of the next ``train_batch`` on a fixed global batch (the
 run that went on without resharding); ``load`` builds the engine at another PP (and DP),
-calls plain ``engine.load_checkpoint`` and records the same.
+calls plain ``engine.load_checkpoint`` and records the same. :func:`truths` reads the
+per-rank truths back (also those of :func:`tests.harness.deepspeed_engine.save_pipe`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,22 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tests import ds_harness as H  # noqa: E402
+from tests.conftest import free_port, spawn  # noqa: E402
+from tests.harness import deepspeed_engine as H  # noqa: E402
 
 GLOBAL = H.PIPE_MICRO * H.PIPE_GAS
 """Samples per step: the same global batch at every topology."""
+KINDS = ("params", "exp_avg", "exp_avg_sq")
+"""The fp32 masters and Adam moments of a truth's ``state`` (:func:`deepspeed_engine.full_state`)."""
+DEAD = "tied_modules.embed.position_embeddings.weight"
+"""The last stage's copy of the tied module's position embeddings: no forward uses it, no
+layer file keeps it (DeepSpeed leaves the module's copy as built); ckptool's TP reshards write
+its optimizer state as a replica of the live one."""
+TAG = f"global_step{H.STEPS}"
+"""The tag directory of a saved run."""
 
 
 def engine(pp: int, dp: int, stage: int, precision: str):
@@ -36,9 +47,7 @@ def engine(pp: int, dp: int, stage: int, precision: str):
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=1, num_dp=dp)
     model = PipelineModule(layers=H.pipe_specs(), loss_fn=H._cross_entropy, topology=topo,
                            partition_method="type:transformer")
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.01},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = H.decay_groups(model)
     cfg = H.config(stage, dp, precision)
     cfg.update(train_batch_size=GLOBAL, train_micro_batch_size_per_gpu=H.PIPE_MICRO,
                gradient_accumulation_steps=GLOBAL // (H.PIPE_MICRO * dp))
@@ -61,8 +70,6 @@ def _record(eng) -> dict:
 
 
 def _save_worker(rank: int, world: int, root: str, pp: int, runs: list, port: int) -> None:
-    import numpy as np
-
     H._init(rank, world, port)
     for name, stage, precision in runs:
         eng = engine(pp, world // pp, stage, precision)
@@ -110,11 +117,26 @@ def load(world: int, jobs: list[tuple[Path, int, int, str, Path]]) -> None:
     _spawn(_load_worker, world, [(str(c), pp, s, p, str(r)) for c, pp, s, p, r in jobs])
 
 
+def truths(root: Path, name: str, world: int = 2) -> list[dict]:
+    """Each rank's truth of the run ``root/name``: ``{name}.rank{r}.truth.pt``, as :func:`save`
+    and :func:`tests.harness.deepspeed_engine.save_pipe` write them."""
+    return [torch.load(root / f"{name}.rank{r}.truth.pt", weights_only=False) for r in range(world)]
+
+
+def by_name(ranks: list[dict]) -> dict:
+    """(kind, parameter name) -> the saving engine's tensor, from each rank's truth; a tied
+    module's from the first stage (the live copy)."""
+    out = {}
+    for truth in ranks:
+        for kind in KINDS:
+            for name, value in truth["state"][kind].items():
+                out.setdefault((kind, name), value)
+    return out
+
+
 def results(prefix: Path, world: int) -> list[dict]:
     return [torch.load(f"{prefix}.rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 def _spawn(fn, nprocs: int, *args) -> None:
-    from tests.conftest import free_port, spawn
-
     spawn(fn, nprocs, (nprocs, *args, free_port()), "DeepSpeed pipeline harness")

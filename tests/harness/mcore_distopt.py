@@ -14,6 +14,9 @@ parameter), plus mcore's own buffer map (``param_index_map``, bucket bounds).
 ``load_state_dict``, optimizer ``load_state_dict`` + ``load_parameter_state``) at the
 checkpoint's topology and dumps the same shards.
 
+:func:`canonical_state` joins such dumps into ckptool's canonical view
+(``optimizer.state.<kind>.<key>`` -> global tensor), by hand rather than by ckptool's rules.
+
 Shims (test only): CUDA device/synchronize/``Tensor.cuda`` on CPU, the CUDA RNG tracker's
 ``fork``; ``Tensor.type()`` reports ``torch.cuda.*`` (the distributed optimizer sorts
 parameters by it) and factories asked for ``device="cuda"`` make CPU tensors; for loading,
@@ -25,11 +28,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import zlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from tests.harness.mcore import _spawn, padded
 
 WORLD = 2
 BASE = dict(layers=2, hidden=48, heads=4, ffn=100, vocab=250, divisible_by=2, max_pos=16,
@@ -47,8 +53,7 @@ ITERATION = 1
 
 
 def padded_vocab(c: dict, tp: int) -> int:
-    m = c["divisible_by"] * tp
-    return -(-c["vocab"] // m) * m
+    return padded(c["vocab"], c["divisible_by"], tp)
 
 
 def megatron_args(c: dict) -> argparse.Namespace:
@@ -256,15 +261,11 @@ def _load_worker(rank, checkpoints, port):
 
 def generate(root: Path, cases: dict = CASES) -> None:
     """Write each case's checkpoint at ``root/<case>`` and its truth at ``root/<case>.truth``."""
-    from tests.mcore_harness import _spawn
-
     _spawn(_generate_worker, WORLD, cases, str(root))
 
 
 def load(checkpoints: list[Path]) -> list[list[dict]]:
     """Load each checkpoint into real mcore at its own topology; each process's truth dump."""
-    from tests.mcore_harness import _spawn
-
     _spawn(_load_worker, WORLD, [str(c) for c in checkpoints])
     return [[torch.load(f"{c}.loaded-rank{r}.pt", weights_only=False) for r in range(WORLD)]
             for c in checkpoints]
@@ -273,3 +274,66 @@ def load(checkpoints: list[Path]) -> list[list[dict]]:
 def truth(root: Path, name: str) -> list[dict]:
     return [torch.load(root / f"{name}.truth" / f"rank{r}.pt", weights_only=False)
             for r in range(WORLD)]
+
+
+# ------------------------------- the truth in the canonical view (TP shards joined by hand)
+
+KINDS = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+WORD = "embedding.word_embeddings.weight"
+# mcore local-spec names -> canonical names, and the TP split of each (by hand, not ckptool's)
+_NORMS = {"input_layernorm": "self_attention.linear_qkv.layer_norm",
+          "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm"}
+_DIM0 = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
+         "word_embeddings.weight", "output_layer.weight")
+_DIM1 = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def local_state(dumps: list[dict]) -> dict:
+    """(tp, pp) -> local name -> kind -> the whole local tensor, from the DP ranks' shards."""
+    out: dict = {}
+    for dump in dumps:
+        rank = out.setdefault((dump["tp"], dump["pp"]), {})
+        for name, (start, end, shape, tensors) in dump["shards"].items():
+            entry = rank.setdefault(name, {"shape": shape, "seen": 0})
+            for kind, t in tensors.items():
+                flat = entry.setdefault(kind, torch.zeros(torch.Size(shape).numel()))
+                flat[start:end] = t
+            entry["seen"] += end - start
+    for rank in out.values():
+        for name, entry in rank.items():
+            assert entry["seen"] == torch.Size(entry["shape"]).numel(), name
+    return out
+
+
+def _canonical(name: str, pp_rank: int, per_stage: int) -> str:
+    m = re.match(r"decoder\.layers\.(\d+)\.(\w+)\.(weight|bias)$", name)
+    if m and m.group(2) in _NORMS:
+        name = f"decoder.layers.{m.group(1)}.{_NORMS[m.group(2)]}_{m.group(3)}"
+    return re.sub(r"layers\.(\d+)\.", lambda g: f"layers.{int(g.group(1)) + pp_rank * per_stage}.",
+                  name)
+
+
+def canonical_state(dumps: list[dict], case: dict) -> dict:
+    """Canonical ``optimizer.state.<kind>.<key>`` -> global tensor, TP shards joined by hand."""
+    local = local_state(dumps)
+    tp, pp = case["tp"], case["pp"]
+    per_stage = case["layers"] // pp
+    out = {}
+    for (t, p), params in sorted(local.items()):
+        for name, entry in params.items():
+            if case["tied"] and name == "output_layer.weight":
+                continue  # the last stage's copy of the tied embedding
+            key = _canonical(name, p, per_stage)
+            for kind, canon in KINDS.items():
+                out.setdefault(f"optimizer.state.{canon}.{key}", []).append(
+                    entry[kind].view(entry["shape"]))
+    for key, parts in out.items():
+        if len(parts) == 1:
+            out[key] = parts[0]
+        elif key.endswith(_DIM0) or key.endswith(_DIM1):
+            out[key] = torch.cat(parts, dim=0 if key.endswith(_DIM0) else 1)
+        else:  # TP-replicated: every rank holds the same
+            assert all(torch.equal(parts[0], x) for x in parts), key
+            out[key] = parts[0]
+        assert len(parts) in (1, tp), key
+    return out

@@ -1,12 +1,13 @@
 """DeepSpeed universal checkpoints on CPU: load with ``load_universal`` at any DP size and
 stage, and DeepSpeed's own ``ds_to_universal.py`` for comparison.
 
-Builds on :mod:`tests.ds_harness` (its tiny model, config, training step and truth);
+Builds on :mod:`tests.harness.deepspeed_engine` (its tiny model, config, training step and truth);
 only the engine's config differs: ``{"checkpoint": {"load_universal": true}}``.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -14,18 +15,17 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-from tests import ds_harness as H  # noqa: E402
+from tests.conftest import spawn  # noqa: E402
+from tests.harness import deepspeed_engine as H  # noqa: E402
 
 
 def engine(stage: int, dp: int, precision: str = "fp32"):
-    """:func:`tests.ds_harness.engine`, configured to load universal checkpoints."""
+    """:func:`tests.harness.deepspeed_engine.engine`, configured to load universal checkpoints."""
     import deepspeed
 
     torch.manual_seed(0)
     model = H.Tiny()
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.01},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = H.decay_groups(model)
     config = {**H.config(stage, dp, precision), "checkpoint": {"load_universal": True}}
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     return eng
@@ -63,13 +63,11 @@ def unshare_zero3_steps(eng) -> None:
 def load(dp: int, jobs: list[tuple[int, Path, Path]], precision: str = "fp32") -> None:
     """For each ``(stage, universal run root, result)``: load at ``dp`` with
     ``load_universal``, record the loaded state, take the next step, save the result
-    (as :func:`tests.ds_harness.load` does)."""
+    (as :func:`tests.harness.deepspeed_engine.load` does)."""
     H._spawn(_load_worker, dp, [(s, str(c), str(r)) for s, c, r in jobs], precision)
 
 
 def _ds_to_universal_worker(rank: int, jobs: list[tuple[str, str]]) -> None:
-    import argparse
-
     from deepspeed.checkpoint import ds_to_universal
 
     H._quiet()
@@ -84,6 +82,4 @@ def ds_to_universal(jobs: list[tuple[Path, Path]]) -> None:
     forked from the preloaded server. A plain engine saves no ``universal_checkpoint_info``,
     so ZeRO-1/2 sources need ``--inject_missing_state``; ``latest_universal`` goes beside
     the output tag dir."""
-    from tests.conftest import spawn
-
     spawn(_ds_to_universal_worker, 1, ([(str(s), str(d)) for s, d in jobs],), "ds_to_universal")
