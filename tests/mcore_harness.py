@@ -163,7 +163,7 @@ def _hook_save_worker(rank, m, tp, root, port):
     its local TP parameters; ``AsyncCheckpointer`` writes them."""
     from dataclasses import asdict
 
-    from converters.megatron_common import spec_from_args
+    from converters.schemas.megatron_args import spec_from_args
     from training import AsyncCheckpointer
     from training.megatron import sharded_state
 

@@ -20,7 +20,7 @@ import torch
 
 peer("megatron.core")
 
-from converters import megatron_distopt as distopt  # noqa: E402
+from converters.megatron import distopt  # noqa: E402
 from tests import distopt_harness as H  # noqa: E402
 
 KINDS = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}

@@ -10,7 +10,7 @@ written once on top of it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -19,8 +19,8 @@ from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
 from ckptool.core.regions import Region
 from ckptool.core.safe_pickle import UnsafeFinding
 from ckptool.core.storage import Store
-from ckptool.core.torchfile import TorchFile
 from ckptool.core.topology import Topology
+from ckptool.core.torchfile import TorchFile
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +194,9 @@ class Writer:
     name: str = ""
     holds_optimizer: bool = True
     """False for weights-only formats (hf): optimizer state is then left out, and said so."""
+    reshards: bool = True
+    """It rewrites its own format at another layout (``ckptool reshard``); False for formats
+    without a parallel layout (hf) or with only one (deepspeed-universal)."""
     canonical_source: bool = True
     """The source is read under canonical names (``Reader.canonical``) when it is another
     format; False for a writer of the source's own names (DeepSpeed: the module's), which
@@ -209,7 +212,6 @@ class Writer:
 
     def target_topology(self, source: Topology, changes: dict) -> Topology:
         """The output's topology: the source's, with the requested changes."""
-        from dataclasses import replace
 
         return replace(source, **changes)
 
