@@ -179,6 +179,32 @@ class Reader:
         return list(self.__dict__.get("_unsafe", {}))
 
 
+class WrappingReader(Reader):
+    """A reader over another (``inner``): a remapped view of its index, or a source with
+    pieces no file holds. Reading goes through :meth:`read_box_into`, which a subclass
+    defines; objects and the pickle findings are the inner reader's."""
+
+    def __init__(self, inner: Reader):
+        self.inner, self.name = inner, inner.name
+
+    def read_box(self, store: Store, piece: Piece, dtype: torch.dtype, box) -> torch.Tensor:
+        out = torch.empty(box[1], dtype=dtype)
+        self.read_box_into(store, piece, dtype, box, out)
+        return out
+
+    def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+        return self.read_box(store, piece, dtype, piece.region.box).view(piece.region.local_shape)
+
+    def read_object(self, store: Store, obj: ObjectInfo) -> Any:
+        return self.inner.read_object(store, obj)
+
+    def note_unsafe(self, source: str, found, key: str | None = None) -> None:
+        self.inner.note_unsafe(source, found, key)
+
+    def unsafe_pickles(self) -> list[UnsafeFinding]:
+        return self.inner.unsafe_pickles()
+
+
 class Writer:
     """A format's writer, driven by the one rewrite path (``ckptool.ops.reshard.rewrite``).
 

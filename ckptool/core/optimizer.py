@@ -26,8 +26,8 @@ from ckptool.core.index import (
     Location,
     ObjectInfo,
     Piece,
-    Reader,
     TensorInfo,
+    WrappingReader,
 )
 from ckptool.core.regions import Region, Shard
 from ckptool.core.storage import Store
@@ -112,11 +112,8 @@ def _zeros(piece: Piece) -> bool:
     return piece.location.detail == _ZEROS and not piece.location.file
 
 
-class FreshReader(Reader):
+class FreshReader(WrappingReader):
     """The source's reader, with zeros for the fresh moments (which no file holds)."""
-
-    def __init__(self, inner: Reader):
-        self.inner, self.name = inner, inner.name
 
     def read_box_into(self, store: Store, piece: Piece, dtype, box, out) -> None:
         if _zeros(piece):
@@ -124,22 +121,5 @@ class FreshReader(Reader):
         else:
             self.inner.read_box_into(store, piece, dtype, box, out)
 
-    def read_box(self, store: Store, piece: Piece, dtype, box) -> torch.Tensor:
-        out = torch.empty(box[1], dtype=dtype)
-        self.read_box_into(store, piece, dtype, box, out)
-        return out
-
-    def read_piece(self, store: Store, piece: Piece, dtype) -> torch.Tensor:
-        return self.read_box(store, piece, dtype, piece.region.box).view(piece.region.local_shape)
-
     def file_span(self, store: Store, piece: Piece, dtype, box):
         return None if _zeros(piece) else self.inner.file_span(store, piece, dtype, box)
-
-    def read_object(self, store: Store, obj):
-        return self.inner.read_object(store, obj)
-
-    def note_unsafe(self, source, found, key=None) -> None:
-        self.inner.note_unsafe(source, found, key)
-
-    def unsafe_pickles(self):
-        return self.inner.unsafe_pickles()
