@@ -42,7 +42,8 @@ sys.path.insert(0, str(REPO))
 
 from ckptool.core.layout import ModelSpec, global_params, layout, stage_layers  # noqa: E402
 from ckptool.core.topology import Topology  # noqa: E402
-from converters.megatron_common import SCHEMAS, update_args  # noqa: E402
+from converters.schemas.megatron import SCHEMAS  # noqa: E402
+from converters.schemas.megatron_args import update_args  # noqa: E402
 from benchmarks.common import run  # noqa: E402
 
 
@@ -81,7 +82,8 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[3])
 from ckptool.core.layout import layout, stage_layers, split, global_params
 from ckptool.core.topology import Topology
-from converters.megatron_common import SCHEMAS, spec_from_args, update_args
+from converters.schemas.megatron import SCHEMAS
+from converters.schemas.megatron_args import spec_from_args, update_args
 src, dst = Path(sys.argv[1]), Path(sys.argv[2])
 files = sorted(src.rglob("model_optim_rng.pt"))
 states = {f.parent.name: torch.load(f, weights_only=False) for f in files}   # everything in RAM

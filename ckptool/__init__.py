@@ -15,15 +15,15 @@ _EXPORTS = {
     "Topology": "ckptool.core.topology",
     "inspect": "ckptool.ops.inspect",
     "InspectResult": "ckptool.ops.inspect",
-    "latest": "ckptool.ops.latest",
-    "LatestResult": "ckptool.ops.latest",
-    "verify": "ckptool.ops.verify",
+    "latest": "ckptool.checkpoints.latest",
+    "LatestResult": "ckptool.checkpoints.latest",
+    "verify": "ckptool.checkpoints.verify",
     "plan": "ckptool.ops.plan",
     "PlanResult": "ckptool.ops.plan",
     "reshard": "ckptool.ops.reshard",
     "convert": "ckptool.ops.reshard",
     "ReshardResult": "ckptool.ops.reshard",
-    "VerifyReport": "ckptool.ops.verify",
+    "VerifyReport": "ckptool.checkpoints.verify",
 }
 
 __all__ = ["__version__", *_EXPORTS]

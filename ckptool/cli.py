@@ -2,6 +2,9 @@
 
 Exit codes (the contract): 0 ok, 1 the checkpoint is bad or none was found, 2 usage error
 or unreadable input. Errors are one line on stderr; set CKPTOOL_DEBUG=1 for a traceback.
+
+Each command imports its operation (and with it torch) when it runs, on purpose: ``--help``
+and ``--version`` stay fast.
 """
 
 from __future__ import annotations
@@ -9,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 from typing import Any
 
 import click
 
 from ckptool.core import VERSION
-from ckptool.core.errors import CkptoolError
+from ckptool.core.errors import CkptoolError, NoCheckpoint, UsageError
 
 
 class Output:
@@ -93,12 +97,15 @@ def _storage_option(ctx, param, values):
 @click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
               callback=_storage_option, help="Extra fsspec storage option for every URL.")
 def cli(trust: bool, storage_options: dict):
-    """Checkpoints for TP x PP x DP training: inspect, verify, find the latest.
+    """Checkpoints for TP x PP x DP training: inspect, verify, latest, reshard, convert, plan.
 
     \b
     ckptool inspect /pfs/run/step_000200
     ckptool verify  /pfs/run/step_000200 --deep
     ckptool latest  /pfs/run --json
+    ckptool reshard /pfs/run /pfs/run-tp4pp4 --tp 8 --pp 2 --to-tp 4 --pp 4
+    ckptool convert /pfs/run/iter_0001000 /models/hf --to hf
+    ckptool plan    --gpus 32 --tp 8 --pp 2 --params 175B
     """
     from ckptool.core.safe_pickle import trust_pickle
     from ckptool.core.storage import set_storage_options
@@ -159,7 +166,7 @@ def verify(ckpt: str, deep: bool, seal: bool, strict: bool, workers: int, as_jso
     Exit 0 when it is sound, 1 when it is not (each problem names the file and the tensor),
     2 when CKPT cannot be read at all. CKPT is a checkpoint directory or a run root.
     """
-    from ckptool.ops.verify import verify as run
+    from ckptool.checkpoints.verify import verify as run
 
     out = Output(as_json, quiet)
     bar = out.progress(lambda: _total_bytes(ckpt), "verify")
@@ -199,8 +206,7 @@ def latest(root: str, no_verify: bool, as_json: bool, quiet: bool):
     Newer checkpoints that were skipped are listed on stderr with the reason. Exit 1
     when there is none.
     """
-    from ckptool.core.errors import NoCheckpoint
-    from ckptool.ops.latest import latest as run
+    from ckptool.checkpoints.latest import latest as run
 
     out = Output(as_json, quiet)
     try:
@@ -262,18 +268,19 @@ def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, to_zero, tp, pp, dp, true_voc
     ckptool reshard /ckpt/run /ckpt/run-tp4pp4 --tp 8 --pp 2 --to-tp 4 --pp 4
     ckptool reshard /ckpt/run /ckpt/run-tp2 --to-tp 2 --dry-run
     """
+    from ckptool.ops.reshard import RewriteOptions
     from ckptool.ops.reshard import reshard as run
 
     out = Output(as_json, quiet)
+    options = RewriteOptions(
+        to={"tp": to_tp, "pp": to_pp, "dp": to_dp, "vpp": to_vpp, "zero": to_zero},
+        expect={"tp": tp, "pp": pp, "dp": dp}, workers=workers, dry_run=dry_run,
+        overwrite=overwrite, true_vocab_size=true_vocab_size, drop_optimizer=drop_optimizer,
+        fsync=not no_fsync, format_options={"first_stage_layers": first_stage_layers,
+                                            "last_stage_layers": last_stage_layers})
     bar = out.progress(lambda: None, "reshard") if not dry_run else None
     try:
-        res = run(src, dst, to={"tp": to_tp, "pp": to_pp, "dp": to_dp, "vpp": to_vpp, "zero": to_zero},
-                  expect={"tp": tp, "pp": pp, "dp": dp}, workers=workers, dry_run=dry_run,
-                  overwrite=overwrite, true_vocab_size=true_vocab_size,
-                  drop_optimizer=drop_optimizer, progress=bar.update if bar else None,
-                  fsync=not no_fsync,
-                  options={"first_stage_layers": first_stage_layers,
-                           "last_stage_layers": last_stage_layers})
+        res = run(src, dst, options, progress=bar.update if bar else None)
     finally:
         if bar:
             bar.close()
@@ -304,8 +311,6 @@ class ByteSize(click.ParamType):
               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
     def convert(self, value, param, ctx):
-        import re
-
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(value).upper())
         if not m or m.group(2) not in self._UNITS or float(m.group(1)) <= 0:
             self.fail(f"{value!r} is not a size such as 5GB or 500MB", param, ctx)
@@ -366,18 +371,19 @@ def convert(src, dst, to_format, tp, pp, dp, zero, megatron_names, model_family,
     \b
     ckptool convert /ckpt/run/iter_0001000 /ckpt/legacy --to megatron --tp 4 --pp 2
     """
+    from ckptool.ops.reshard import RewriteOptions
     from ckptool.ops.reshard import convert as run
 
     out = Output(as_json, quiet)
-    res = run(src, dst, to_format=to_format, to={"tp": tp, "pp": pp, "dp": dp, "zero": zero},
-              workers=workers,
-              dry_run=dry_run, overwrite=overwrite, true_vocab_size=true_vocab_size,
-              drop_optimizer=drop_optimizer, names=megatron_names,
-              model_family="gpt2" if model_family == "gpt" else model_family,
-              model_config=model_config, init_optimizer=init_optimizer, fsync=not no_fsync,
-              options={"max_shard_size": max_shard_size, "dtype": dtype, "param_groups": param_groups,
-                       "megatron_lr_schedule": megatron_lr_schedule,
-                       "first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers})
+    options = RewriteOptions(
+        to={"tp": tp, "pp": pp, "dp": dp, "zero": zero}, workers=workers, dry_run=dry_run,
+        overwrite=overwrite, true_vocab_size=true_vocab_size, drop_optimizer=drop_optimizer,
+        names=megatron_names, model_family="gpt2" if model_family == "gpt" else model_family,
+        model_config=model_config, init_optimizer=init_optimizer, fsync=not no_fsync,
+        format_options={"max_shard_size": max_shard_size, "dtype": dtype, "param_groups": param_groups,
+                        "megatron_lr_schedule": megatron_lr_schedule,
+                        "first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers})
+    res = run(src, dst, options, to_format=to_format)
     _render_rewrite(out, res, "converted")
 
 
@@ -410,7 +416,6 @@ def plan(gpus, tp, pp, model_path, params, zero, dtype, gpu_mem, gpus_per_node, 
     ckptool plan --gpus 64 --tp 8 --pp 4 --model llama-70b/config.json
     ckptool plan --gpus 24 --tp 8 --pp 2 --from /pfs/run     # restart on fewer nodes
     """
-    from ckptool.core.errors import UsageError
     from ckptool.ops.plan import model_from, parse_count
     from ckptool.ops.plan import plan as run
 
@@ -499,7 +504,7 @@ def _size(n: int) -> str:
 
 def _total_bytes(url: str) -> int | None:
     try:
-        from ckptool.checkpoint import resolve
+        from ckptool.checkpoints.open import resolve
 
         return sum(resolve(url).files().values())
     except Exception:

@@ -1,14 +1,19 @@
-"""Checkpoint formats: one module per format, a registry by the names the CLI spells.
+"""Checkpoint formats, one package per framework, and the registry by the names the CLI spells.
 
-Each module gives a :class:`ckptool.core.index.Reader` subclass. Modules are imported
-lazily, so a format's optional dependencies cost nothing until it is used.
+- :mod:`converters.dcp`: PyTorch DCP (``dcp``).
+- :mod:`converters.megatron`: Megatron-LM legacy files (``megatron``), Megatron-Core
+  ``torch_dist`` (``megatron-dist``) and ``zarr`` (``megatron-zarr``), their optimizers.
+- :mod:`converters.deepspeed`: DeepSpeed engines and pipelines (``deepspeed``), universal
+  checkpoints (``deepspeed-universal``).
+- :mod:`converters.hf`: Hugging Face safetensors (``hf``).
+- :mod:`converters.schemas`: what the models' names and configs mean (Hugging Face,
+  Megatron), shared by the frameworks; not formats.
 
-A format never imports another format. Rules that several formats share live in modules
-that are not formats: :mod:`converters.hf_schema` (Hugging Face names and ``config.json``),
-:mod:`converters.zero` (DeepSpeed's ZeRO layout and files), :mod:`converters.megatron_common`,
-:mod:`converters.megatron_ranks`, :mod:`converters.megatron_optimizer`,
-:mod:`converters.megatron_distopt`. The one exception is a format's own variant:
-:mod:`converters.deepspeed` dispatches pipeline checkpoints to :mod:`converters.deepspeed_pipe`.
+Each format gives a :class:`ckptool.core.index.Reader` subclass and, where it is written, a
+:class:`~ckptool.core.index.Writer`. Formats are imported lazily, so a format's optional
+dependencies cost nothing until it is used. The layering (checked by ``lint-imports``,
+``[tool.importlinter]`` in pyproject.toml): a framework package imports the core and the
+schemas only, never another framework; the schemas import only the core.
 """
 
 from __future__ import annotations
@@ -16,27 +21,27 @@ from __future__ import annotations
 import importlib
 
 from ckptool.core.errors import UnknownFormat, UnsupportedFormat
-from ckptool.core.index import Reader
+from ckptool.core.index import Reader, Writer
 from ckptool.core.manifest import MANIFEST, read_manifest
 from ckptool.core.storage import Store
 
 READERS = {
     "dcp": "converters.dcp:DcpReader",
-    "megatron-dist": "converters.megatron_dist:MegatronDistReader",
-    "megatron": "converters.megatron:MegatronReader",
-    "deepspeed": "converters.deepspeed:DeepSpeedReader",
-    "deepspeed-universal": "converters.deepspeed_universal:UniversalReader",
-    "hf": "converters.hf:HfReader",
-    "megatron-zarr": "converters.megatron_zarr:MegatronZarrReader",
+    "megatron-dist": "converters.megatron.dist:MegatronDistReader",
+    "megatron": "converters.megatron.legacy:MegatronReader",
+    "deepspeed": "converters.deepspeed.engine:DeepSpeedReader",
+    "deepspeed-universal": "converters.deepspeed.universal:UniversalReader",
+    "hf": "converters.hf.format:HfReader",
+    "megatron-zarr": "converters.megatron.zarr:MegatronZarrReader",
 }
 FORMATS = tuple(READERS)
 WRITERS = {
-    "megatron": "converters.megatron:MegatronWriter",
-    "megatron-dist": "converters.megatron_dist:MegatronDistWriter",
+    "megatron": "converters.megatron.legacy:MegatronWriter",
+    "megatron-dist": "converters.megatron.dist:MegatronDistWriter",
     "dcp": "converters.dcp:DcpWriter",
-    "hf": "converters.hf:HfWriter",
-    "deepspeed": "converters.deepspeed:DeepSpeedWriter",
-    "deepspeed-universal": "converters.deepspeed_universal:UniversalWriter",
+    "hf": "converters.hf.format:HfWriter",
+    "deepspeed": "converters.deepspeed.engine:DeepSpeedWriter",
+    "deepspeed-universal": "converters.deepspeed.universal:UniversalWriter",
 }
 
 # More specific layouts first: a DeepSpeed universal checkpoint also has model-state files,
@@ -59,12 +64,25 @@ def reader(name: str) -> Reader:
     return reader_class(name)()
 
 
-def writer(name: str):
+def writer_class(name: str) -> type[Writer]:
     if name not in WRITERS:
         raise UnsupportedFormat(f"writing {name} checkpoints is not implemented yet",
                                 hint=f"Writable now: {', '.join(WRITERS)}")
     module, cls = WRITERS[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
+    return getattr(importlib.import_module(module), cls)
+
+
+def writer(name: str) -> Writer:
+    return writer_class(name)()
+
+
+def reshardable(name: str) -> bool:
+    """Whether ``ckptool reshard`` rewrites format ``name`` at another layout."""
+    return name in WRITERS and writer_class(name).reshards
+
+
+def reshardable_formats() -> tuple[str, ...]:
+    return tuple(name for name in WRITERS if reshardable(name))
 
 
 def detect(store: Store) -> str | None:

@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import re
 import uuid
+from dataclasses import dataclass
 
-from ckptool.core.dcpfile import METADATA, SAVE_ID_MARK, DcpContainerReader, read_metadata
+from ckptool.core.dcpfile import (
+    METADATA,
+    SAVE_ID_MARK,
+    DcpContainerReader,
+    read_metadata,
+)
 from ckptool.core.dcpwrite import DcpFileWriter, RecordedFiles, write_metadata
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.index import CheckpointIndex, Writer
+from ckptool.core.manifest import build_manifest, write_manifest
 from ckptool.core.regions import Region, Shard
-from ckptool.core.storage import Store
+from ckptool.core.storage import Store, atomic_output
 from ckptool.core.topology import Topology
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -38,6 +45,13 @@ class DcpReader(DcpContainerReader):
         ranks = {m.group(1) for f in index.files if (m := _RANK_FILE.match(f))}
         index.topology = Topology(dp=max(1, len(ranks)))
         return index
+
+
+@dataclass(frozen=True, slots=True)
+class RankFile:
+    """``__{rank}_0.distcp``: one writer rank's row blocks (rank 0 also the non-tensor entries)."""
+
+    rank: int
 
 
 class DcpWriter(RecordedFiles, Writer):
@@ -64,7 +78,7 @@ class DcpWriter(RecordedFiles, Writer):
     def plan(self, index: CheckpointIndex, topo: Topology, spec, schema: str,
              with_optimizer: bool = True) -> list[TargetFile]:
         world = topo.world
-        files = [TargetFile(f"__{r}_0.distcp", context={"rank": r}) for r in range(world)]
+        files = [TargetFile(f"__{r}_0.distcp", context=RankFile(r)) for r in range(world)]
         self._shapes = {k: (t.shape, t.dtype) for k, t in index.tensors.items()}
         for key, info in index.tensors.items():
             for r, (start, rows) in enumerate(_row_blocks(info.shape, world)):
@@ -80,7 +94,7 @@ class DcpWriter(RecordedFiles, Writer):
             for t in target.tensors:
                 key, offsets, lengths = t.name
                 w.add_chunk(key, offsets, lengths, produce(t).reshape(lengths))
-            if target.context["rank"] == 0:
+            if target.context.rank == 0:
                 for key, obj in index.objects.items():
                     if obj.location is not None:  # re-pickled from what was read, never copied raw
                         w.add_object(key, self._source.reader.read_object(self._source.store, obj))
@@ -120,10 +134,14 @@ def _marked(writer_cls):
 def storage_writer(store: Store, **kwargs):
     """A DCP storage writer for ``store`` (local or any fsspec URL) that marks its output."""
     if store.is_local:
-        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint import (
+            FileSystemWriter,  # lazy: DCP costs a second to import
+        )
 
         return _marked(FileSystemWriter)(store.root, **kwargs)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import (
+        FsspecWriter,  # lazy: as above
+    )
 
     return _marked(FsspecWriter)(store.url, **kwargs)
 
@@ -137,10 +155,7 @@ def save(state_dict: dict, url: str, *, overwrite: bool = False, process_group=N
     iteration, true_vocab_size); ``writer_options`` go to DCP's storage writer
     (e.g. ``thread_count``).
     """
-    import torch.distributed.checkpoint as dcp
-
-    from ckptool.core.manifest import build_manifest, write_manifest
-    from ckptool.core.storage import atomic_output
+    import torch.distributed.checkpoint as dcp  # lazy: as above
 
     out = atomic_output(url, overwrite=overwrite)
     try:

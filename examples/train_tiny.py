@@ -1,7 +1,6 @@
 """A tiny Llama-style model trained with real TP x PP x DP on CPU, checkpointed by ckptool.
 
 Run it under torchrun; world size = TP x PP x DP::
-
     torchrun --nproc_per_node 4 examples/train_tiny.py --save /tmp/run --tp 2 --pp 2 --steps 8
     # kill it, or let it finish; then resume on another topology:
     torchrun --nproc_per_node 2 examples/train_tiny.py --save /tmp/run --tp 1 --pp 1 --dp 2 --steps 12
@@ -172,7 +171,7 @@ class Stage(torch.nn.Module):
         # Parameters come from the global initial tensors, cut by the layout rules: the same
         # model at any topology.
         init = initial_weights(spec)
-        from converters.megatron_common import SCHEMAS
+        from converters.schemas.megatron import SCHEMAS
 
         self._names = {}
         for name, t in self.local.items():

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptool.checkpoint import open_checkpoint
+from ckptool.checkpoints.open import open_checkpoint
 from ckptool.core.safe_pickle import Unsafe
 from tests.conftest import assembled, spawn_gloo
 

@@ -191,7 +191,7 @@ def test_parameter_alignment_padding_is_laid_out_by_the_rule(tmp_path, stage):
     """parameter_alignment: zeros after each parameter up to 16 bytes. A bf16 DP2 checkpoint
     resharded to DP3 loads exactly (and the rule's paddings equal DeepSpeed's own)."""
     import ckptool
-    from ckptool.checkpoint import open_checkpoint
+    from ckptool.checkpoints.open import open_checkpoint
 
     H.save(tmp_path, [stage], dp=2, precision="align")
     layout = open_checkpoint(str(tmp_path / f"z{stage}_align")).index.objects["deepspeed.layout"].value
@@ -253,7 +253,7 @@ def test_unique_subsequence_matches_brute_force():
     import itertools
     import random
 
-    from converters.deepspeed import _unique_subsequence
+    from converters.deepspeed.engine import _unique_subsequence
 
     rng = random.Random(0)
     for _ in range(2000):

@@ -4,7 +4,7 @@ unexpected keys and the same logits, its weights bit-equal to DeepSpeed's own
 ``get_fp32_state_dict_from_zero_checkpoint``; the same checkpoint converts to Megatron.
 
 The module's names are the HF model's, so ckptool reads them through the hf schema
-(``converters.hf_schema.named_view``), with ``config.json`` beside ``latest`` as the HF Trainer
+(``converters.schemas.hf.named_view``), with ``config.json`` beside ``latest`` as the HF Trainer
 lays it out.
 """
 

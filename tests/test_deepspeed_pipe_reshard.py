@@ -44,7 +44,7 @@ def test_stage_rule_is_deepspeeds():
     """``partition_balanced`` gives DeepSpeed's own bounds (its tie-break included)."""
     from deepspeed.runtime.utils import partition_balanced as theirs
 
-    from converters.deepspeed_pipe import partition_balanced
+    from converters.deepspeed.pipe import partition_balanced
 
     for layers in range(1, 13):
         weights = [0, 0, *[1] * layers, 0, 0]
@@ -149,7 +149,7 @@ def _group0(path: tuple) -> bool:
 
 def _global(path) -> dict:
     """The canonical global view of a checkpoint, every tensor read through ckptool."""
-    from ckptool.checkpoint import open_checkpoint
+    from ckptool.checkpoints.open import open_checkpoint
     from ckptool.core.engine import TargetTensor, fill_tensor
     from ckptool.core.regions import Region, Shard
 

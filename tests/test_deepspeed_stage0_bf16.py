@@ -121,7 +121,7 @@ def test_reader_maps_masters_moments_and_loss_scale(ds):
     masters and moments bit-equal, the Adam step as the wrapped optimizer counts it (one more
     than the engine's steps: FP16_UnfusedOptimizer initializes its state with a step on zero
     gradients), the loss-scale entries kept."""
-    from ckptool.checkpoint import open_checkpoint
+    from ckptool.checkpoints.open import open_checkpoint
 
     opened = open_checkpoint(str(ds / "z0_bf16"))
     index, truth = opened.index, torch.load(ds / "z0_bf16.truth.pt")["saved"]

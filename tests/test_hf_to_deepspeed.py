@@ -113,7 +113,7 @@ def test_a_reshard_keeps_the_config_so_the_result_still_converts_back(run_cli, t
 
 
 def test_fresh_state_is_zero_moments_and_masters_equal_to_the_weights(run_cli, tmp_path):
-    from ckptool.checkpoint import open_checkpoint
+    from ckptool.checkpoints.open import open_checkpoint
 
     src = _hf(tmp_path, "llama", torch.bfloat16)
     res = _convert(run_cli, src, tmp_path / "ds", 2, "decay", True, dp=3)

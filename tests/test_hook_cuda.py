@@ -37,7 +37,7 @@ def _busy_gpu(ms: float) -> None:
 def test_gpu_state_is_snapshotted_when_save_returns(tmp_path, writer):
     import torch.distributed.checkpoint as dcp
 
-    from ckptool.ops.verify import verify
+    from ckptool.checkpoints.verify import verify
     from training import AsyncCheckpointer
 
     state = {"model": {k: torch.zeros_like(v) for k, v in _values(0).items()}, "step": 0}

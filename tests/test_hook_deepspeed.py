@@ -115,7 +115,7 @@ def test_hook_keys_are_the_offline_readers(hook, name):
     """The hook's global tensors are those ckptool reads from DeepSpeed's own checkpoint of
     the same engine, with the same shapes and dtypes (plus the per-parameter step)."""
     import ckptool
-    from ckptool.checkpoint import open_checkpoint
+    from ckptool.checkpoints.open import open_checkpoint
 
     ours = open_checkpoint(ckptool.latest(str(hook / name)).path).index.tensors
     theirs = open_checkpoint(str(hook / f"ds_{name}")).index.tensors

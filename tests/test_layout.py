@@ -132,7 +132,7 @@ def test_megatron_deepspeed_args_spellings_read_as_megatron_lms():
     flag, num_key_value_heads); the legacy readers see the same model as from Megatron-LM's."""
     import argparse
 
-    from converters.megatron_common import spec_from_args
+    from converters.schemas.megatron_args import spec_from_args
 
     common = dict(num_layers=2, hidden_size=64, num_attention_heads=8, padded_vocab_size=128,
                   ffn_hidden_size=128, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)

@@ -7,12 +7,13 @@ import json
 
 import pytest
 
+from ckptool.core import optimizer as canon  # noqa: E402
 from tests.conftest import full_tensor, peer
 import torch
 
 peer("megatron.core")
 
-from ckptool.checkpoint import open_checkpoint  # noqa: E402
+from ckptool.checkpoints.open import open_checkpoint  # noqa: E402
 from tests.harness import mcore as H  # noqa: E402
 
 
@@ -116,8 +117,8 @@ def test_legacy_names_refuse_gqa_before_writing(both, tmp_path, run_cli):
 
 # ------------------------------------------------- the non-distributed optimizer's state
 
-from converters import megatron_optimizer as optim  # noqa: E402
-from converters.megatron_common import to_canonical  # noqa: E402
+from converters.megatron.legacy import optimizer as optim  # noqa: E402
+from converters.schemas.megatron import to_canonical  # noqa: E402
 
 KINDS = ("exp_avg", "exp_avg_sq")
 
@@ -159,7 +160,7 @@ def _loaded_equals_source(loaded: dict, source, kinds=KINDS):
     for name, state in loaded.items():
         canonical, _ = to_canonical("mcore-local", name, range(H.LLAMA["num_layers"]), False)
         for kind in kinds:
-            assert torch.equal(state[kind], full_tensor(source, optim.state_key(kind, canonical))), (name, kind)
+            assert torch.equal(state[kind], full_tensor(source, canon.state_key(kind, canonical))), (name, kind)
         assert float(state["step"]) == 2.0
 
 
@@ -169,7 +170,7 @@ def _resumed_like_uninterrupted(resumed, after, tol=1e-5):
 
 
 def test_torch_dist_optimizer_reads_as_the_legacy_canonical_state(trained_dist):
-    from converters import megatron
+    from converters.megatron.legacy import legacy as megatron
 
     src, _ = trained_dist
     opened = open_checkpoint(str(src))
@@ -177,7 +178,7 @@ def test_torch_dist_optimizer_reads_as_the_legacy_canonical_state(trained_dist):
     params = [k for k in index.tensors if not k.startswith("optimizer.")]
     assert len(params) == 27 and index.unmapped is None
     assert {k for k in index.tensors if k.startswith("optimizer.")} == \
-        {optim.state_key(kind, p) for p in params for kind in KINDS}
+        {canon.state_key(kind, p) for p in params for kind in KINDS}
     assert optim.LAYOUT_KEY == megatron.OPTIMIZER_LAYOUT_KEY  # the same canonical object
     layout = index.objects[optim.LAYOUT_KEY].value
     assert layout.fp16 is False and layout.step == 2.0 and layout.extra == {}
@@ -256,7 +257,7 @@ def test_bf16_fp32_masters_reshard_and_resume(tmp_path, run_cli):
     assert run_cli("reshard", src, dst, "--to-tp", 1, "--true-vocab-size", 1000).code == 0
     _same_common_optimizer(_common_optimizer(dst), _common_optimizer(src))
     resumed = H.resume_one_step_dist(H.LLAMA, 1, dst, bf16=True)
-    _loaded_equals_source(resumed["optimizer"][0], opened, optim.KINDS)
+    _loaded_equals_source(resumed["optimizer"][0], opened, canon.KINDS)
     # bf16 matmuls at TP1 round differently from TP2's: the loss agrees to bf16 precision
     assert abs(resumed["loss"] - after["loss"]) / abs(after["loss"]) < 1e-3
 
@@ -289,8 +290,8 @@ def test_writer_refuses_optimizer_state_it_cannot_lay_out():
     """Optimizer tensors with no Megatron param groups and step (another format's) are not
     written to torch_dist; a distributed optimizer's (distrib_optim.pt or torch_dist) are,
     see tests/test_megatron_dist_distopt.py."""
-    from converters import megatron
-    from converters.megatron_dist import MegatronDistWriter
+    from converters.megatron.legacy import legacy as megatron
+    from converters.megatron.dist import MegatronDistWriter
     from ckptool.core.index import CheckpointIndex, ObjectInfo, TensorInfo
 
     assert optim.DISTRIBUTED_KEY == megatron.DISTOPT_KEY

@@ -16,14 +16,15 @@ import shutil
 import pytest
 import torch
 
+from ckptool.core import optimizer as canon  # noqa: E402
 from tests.conftest import full_tensor, peer
 
 peer("megatron.core")
 
-from ckptool.checkpoint import open_checkpoint  # noqa: E402
-from converters import megatron_dist_distopt as dd  # noqa: E402
-from converters import megatron_distopt as distopt  # noqa: E402
-from converters import megatron_optimizer as optim  # noqa: E402
+from ckptool.checkpoints.open import open_checkpoint  # noqa: E402
+from converters.megatron import dist_distopt as dd  # noqa: E402
+from converters.megatron import distopt  # noqa: E402
+from converters.megatron import optimizer as optim  # noqa: E402
 from tests.harness import mcore_distopt_torch_dist as H  # noqa: E402
 from tests.harness import mcore_distopt as D  # noqa: E402
 from tests.harness.mcore import load_common  # noqa: E402
@@ -53,7 +54,7 @@ def test_read_gives_the_optimizer_shards_bit_exact(real, name):
     assert index.unmapped is None
     assert index.objects[dd.SHARDING_KEY].value == H.CASES[name]["sharding"]
     want = _want(real, name)
-    assert {k for k in index.tensors if k.startswith(optim.PREFIX)} == set(want)
+    assert {k for k in index.tensors if k.startswith(canon.PREFIX)} == set(want)
     _exact(opened, want)
     meta = index.objects[optim.DISTRIBUTED_KEY].value
     assert meta.keys == {torch.float32: (torch.float32, torch.float32)}
@@ -61,7 +62,7 @@ def test_read_gives_the_optimizer_shards_bit_exact(real, name):
     if name == "dp2":  # the case does cut parameters at bucket and DP-rank boundaries
         (buf,) = D.truth(real, name)[0]["buffers"]
         assert len(buf["buckets"]) > 2
-        assert any(len(i.pieces) > 1 for k, i in index.tensors.items() if k.startswith(optim.PREFIX))
+        assert any(len(i.pieces) > 1 for k, i in index.tensors.items() if k.startswith(canon.PREFIX))
     if name == "pp2":  # several buckets on stage 0; the word embedding alone in one on both
         dumps = D.truth(real, name)
         assert len(dumps[0]["buffers"][0]["buckets"]) > 2
@@ -95,7 +96,7 @@ def test_a_rank_refused_late_leaves_the_stored_state_as_it_is(real, tmp_path, ru
     monkeypatch.setattr(distopt, "layout", second_differs)
     index = open_checkpoint(str(real / "tp2")).index
     assert len(calls) == 2 and "dp_group_idx_1 gbuf_idx_0 holds buckets of" in index.unmapped
-    assert not any(k.startswith(optim.PREFIX) for k in index.tensors)
+    assert not any(k.startswith(canon.PREFIX) for k in index.tensors)
     assert any(k.startswith("optimizer.distributed.") for k in index.tensors)
     calls.clear()
     res = run_cli("verify", real / "tp2")

@@ -19,7 +19,7 @@ import torch
 
 peer("megatron.core")
 
-from converters import megatron_distopt as distopt  # noqa: E402
+from converters.megatron import distopt  # noqa: E402
 from tests.harness import mcore_distopt as H  # noqa: E402
 
 

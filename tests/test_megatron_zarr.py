@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptool.checkpoint import open_checkpoint
+from ckptool.checkpoints.open import open_checkpoint
 from tests.conftest import full_tensor, peer
 
 DATA = Path(__file__).parent / "data" / "mcore_zarr"

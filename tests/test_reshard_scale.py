@@ -176,7 +176,7 @@ def test_source_runs_stream_by_in_kernel_copy_with_the_same_bytes(megatron_sourc
     """Target tensors that are runs of source files (column-parallel merges, whole tensors
     moved between stages) are copied by copy_file_range; where the kernel refuses, through
     a buffer; without the path at all, filled in memory. All three give the same bytes."""
-    import ckptool.ops.reshard as ops
+    import ckptool.core.engine as engine
 
     copied = []
     real_copy = os.copy_file_range
@@ -204,7 +204,7 @@ def test_source_runs_stream_by_in_kernel_copy_with_the_same_bytes(megatron_sourc
     assert run_cli("reshard", megatron_source, tmp_path / "nothing", *args).code == 0
     assert _files(tmp_path / "nothing") == _files(tmp_path / "buffered")
 
-    monkeypatch.setattr(ops, "file_spans", lambda *a: None)
+    monkeypatch.setattr(engine, "file_spans", lambda *a: None)
     assert run_cli("reshard", megatron_source, tmp_path / "filled", *args).code == 0
     assert _files(tmp_path / "copied") == _files(tmp_path / "filled") == _files(tmp_path / "buffered")
     assert run_cli("verify", "--deep", tmp_path / "copied").code == 0

@@ -74,7 +74,7 @@ def _save(rank, world, root, steps):
 
 
 def _tensors(url: str) -> dict[str, torch.Tensor]:
-    from ckptool.checkpoint import open_checkpoint
+    from ckptool.checkpoints.open import open_checkpoint
 
     opened = open_checkpoint(url)
     return {key: assembled(opened, key) for key in opened.index.tensors}

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptool.checkpoint import open_checkpoint
+from ckptool.checkpoints.open import open_checkpoint
 from tests.conftest import sample_state
 from tests.harness.damage import flip_bit, patch, truncate
 

@@ -24,8 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptool.checkpoints.latest import latest
+from ckptool.checkpoints.open import candidates, open_checkpoint
+from ckptool.core.dcpfile import METADATA
 from ckptool.core.dcpwrite import DcpFileWriter, FileRecord, write_metadata
-from ckptool.core.errors import BadCheckpoint
+from ckptool.core.engine import fill_into
+from ckptool.core.errors import BadCheckpoint, NoCheckpoint
 from ckptool.core.manifest import MANIFEST, FileEntry, Manifest, write_manifest
 from ckptool.core.safe_pickle import trusted
 from ckptool.core.storage import Store, is_temporary
@@ -133,8 +137,6 @@ class AsyncCheckpointer:
         may come from any number of ranks in any layout. ``root`` loads from another run
         root (e.g. one resharded offline) instead of this checkpointer's.
         """
-        from ckptool.core.errors import NoCheckpoint
-        from ckptool.ops.latest import latest
 
         path = None
         if self._rank == 0:
@@ -233,7 +235,6 @@ class AsyncCheckpointer:
             for r in results:
                 shapes.update(r.shapes)
             size, digest = write_metadata(tmp, shapes, [r.record for r in results])
-            from ckptool.core.dcpfile import METADATA
 
             files = [FileEntry(r.file, r.size, r.digest) for r in results] + \
                 [FileEntry(METADATA, size, digest)]
@@ -272,7 +273,6 @@ class AsyncCheckpointer:
         """Delete committed checkpoints older than the ``keep_last`` newest; never others."""
         if not self.keep_last:
             return
-        from ckptool.checkpoint import candidates
 
         committed = [c for c in candidates(self.root) if not c.temporary
                      and c.store.exists("ckptool.json")]
@@ -348,7 +348,7 @@ class _ProcessWriter:
         self._proc = None
 
     def write(self, url: str, name: str, jobs: list, objects: dict[str, bytes]):
-        import torch.multiprocessing as mp
+        import torch.multiprocessing as mp  # lazy: only the process writer needs it
 
         if self._proc is None or not self._proc.is_alive():
             ctx = mp.get_context("spawn")
@@ -381,8 +381,6 @@ def load(path: str, state: dict, rank: int = 0) -> int | None:
     Works for any checkpoint ckptool reads whose global keys match the state's: the
     checkpoint's layout and world size need not be this job's.
     """
-    from ckptool.checkpoint import open_checkpoint
-    from ckptool.core.engine import fill_into
 
     opened = open_checkpoint(path)
     index = opened.index

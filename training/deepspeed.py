@@ -2,7 +2,7 @@
 
 A rank of a ZeRO-1/2/3 engine (mp=1, no pipeline) holds, per optimizer param group, a flat
 partition of the fp32 masters and of the Adam moments. :func:`sharded_state` describes them
-with the layout rules and global keys of ``converters.zero`` (:func:`zero_partition`,
+with the layout rules and global keys of ``converters.deepspeed.zero`` (:func:`zero_partition`,
 :func:`zero3_partition`, ``param_shapes`` order as DeepSpeed's ``_get_zero_param_shapes``
 builds it), so a checkpoint saved at DP=2 loads at DP=3, or converts offline:
 
@@ -28,9 +28,13 @@ from __future__ import annotations
 import torch
 
 from ckptool.core.errors import UsageError
+from ckptool.core.optimizer import state_key
 from ckptool.core.regions import Region, Shard
-from converters.megatron_optimizer import state_key
-from converters.zero import parameter_alignment, zero3_partition, zero_partition
+from converters.deepspeed.zero import (
+    parameter_alignment,
+    zero3_partition,
+    zero_partition,
+)
 from training.state import Sharded
 
 ADAM_KINDS = ("exp_avg", "exp_avg_sq")
@@ -38,7 +42,7 @@ ADAM_KINDS = ("exp_avg", "exp_avg_sq")
 
 def sharded_state(engine) -> dict:
     """``{"model", "optimizer", "engine"}`` for this rank of a DeepSpeed ZeRO-1/2/3 engine."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: only a multi-rank engine needs it
 
     stage = engine.zero_optimization_stage()
     opt = engine.optimizer

@@ -21,10 +21,10 @@ import torch
 
 from ckptool.core.errors import UsageError
 from ckptool.core.layout import ModelSpec, layout
+from ckptool.core.optimizer import state_key, state_shard
 from ckptool.core.regions import Region, Shard
 from ckptool.core.topology import Topology
-from converters.megatron_common import SCHEMAS, detect_schema
-from converters.megatron_optimizer import state_key, state_shard
+from converters.schemas.megatron import SCHEMAS, detect_schema
 from training.state import Sharded
 
 ADAM_KINDS = ("exp_avg", "exp_avg_sq")

@@ -101,7 +101,9 @@ def set_leaf(state: dict, path: tuple[str, ...], value: Any) -> None:
 
 def _is_dtensor(value) -> bool:
     try:
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import (
+            DTensor,  # lazy: its module moved between torch versions
+        )
     except ImportError:  # older torch
         from torch.distributed._tensor import DTensor
     return isinstance(value, DTensor)

@@ -19,7 +19,14 @@ from typing import Any
 import torch
 
 from ckptool.core.errors import BadCheckpoint, CkptoolError, UnreadableInput
-from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo
+from ckptool.core.index import (
+    CheckpointIndex,
+    Location,
+    ObjectInfo,
+    Piece,
+    Reader,
+    TensorInfo,
+)
 from ckptool.core.regions import Region, byte_runs
 from ckptool.core.safe_pickle import load_dcp_metadata, trusted
 from ckptool.core.stfile import parse_header
@@ -270,7 +277,9 @@ def read_location(store: Store, loc: Location) -> bytes:
 def _untransform(raw: bytes, descriptors: tuple, source: str) -> bytes:
     """Undo DCP stream transforms (e.g. compression extensions) with DCP's own registry."""
     try:
-        from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+        from torch.distributed.checkpoint.filesystem import (
+            _StorageReaderTransforms,  # lazy: DCP costs a second to import; only transformed chunks need it
+        )
     except ImportError:
         raise UnreadableInput(f"DCP transforms {list(descriptors)} need a newer torch",
                               path=source) from None

@@ -11,6 +11,7 @@ metadata classes, so ``torch.distributed.checkpoint.load`` reads the result; its
 from __future__ import annotations
 
 import io
+import pickle
 import sys
 import threading
 import uuid
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 
 from ckptool.core import torchfile
 from ckptool.core.dcpfile import METADATA, SAVE_ID_MARK
@@ -124,10 +126,18 @@ def write_metadata(store: Store, shapes: dict[str, tuple[tuple[int, ...], torch.
     recorded. The result depends only on what was written, not on the order files finished
     (files are taken by path), so equal checkpoints get equal bytes."""
     writers = sorted(writers, key=lambda w: w.path)
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                       Metadata, MetadataIndex, StorageMeta,
-                                                       TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.filesystem import (
+        _StorageInfo,  # lazy: DCP costs a second to import
+    )
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     # Strings are interned: pickle shares repeated objects by identity, so records that
     # travelled between ranks must pickle exactly like local ones.
@@ -148,7 +158,6 @@ def write_metadata(store: Store, shapes: dict[str, tuple[tuple[int, ...], torch.
     meta = Metadata(state_dict_metadata=state, storage_data=storage,
                     storage_meta=StorageMeta(save_id=f"{SAVE_ID_MARK}{_content_id(writers)}"),
                     version="1.0.0")
-    import pickle
 
     with store.open_file(METADATA, "wb") as raw:
         out = HashingWriter(raw, store.durable)
@@ -159,7 +168,6 @@ def write_metadata(store: Store, shapes: dict[str, tuple[tuple[int, ...], torch.
 
 def _content_id(writers) -> str:
     """A uuid-shaped id derived from the recorded chunks: deterministic for equal output."""
-    import xxhash
 
     h = xxhash.xxh3_128()
     for w in writers:

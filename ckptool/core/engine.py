@@ -20,7 +20,7 @@ from ckptool.core.regions import Shard, byte_runs, plan_copies
 from ckptool.core.storage import pread_blocks
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TargetTensor:
     """One tensor of a target file: its name in the file and the regions it holds."""
 
@@ -30,14 +30,16 @@ class TargetTensor:
     dtype: torch.dtype
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TargetFile:
-    """One file a writer will produce, with the tensors the engine must fill for it."""
+    """One file a writer will produce, with the tensors the engine must fill for it. The
+    plan is frozen once made (its ``tensors`` list is filled while the writer plans)."""
 
     path: str
     tensors: list[TargetTensor] = field(default_factory=list)
     context: Any = None
-    """Whatever else the writer needs for this file (rank, objects...)."""
+    """The writer's own frozen description of the file (a dataclass per kind of file: its
+    rank, what else it holds), made by its ``plan`` and read back by its ``write_file``."""
 
     @property
     def nbytes(self) -> int:
@@ -219,6 +221,35 @@ def file_spans(t: TargetTensor, index: CheckpointIndex, span_of: FileSpan) -> Fi
             spans.append((fd, offset, count * item))
         pos += count
     return FileSpans(t.dtype, pos, spans, index.url) if pos == math.prod(t.shard.shape) else None
+
+
+class Producer:
+    """What the engine hands a writer: ``produce(target_tensor)`` fills one target tensor
+    from the source (valid until the next is asked for, so a writer writes it first), and
+    :meth:`spans` gives the tensor as runs of source files instead, where a streaming writer
+    can copy them as they are (:func:`ckptool.core.torchreader.save_target`).
+
+    Each worker thread fills from its own :class:`Scratch` of the one shared pool."""
+
+    def __init__(self, index: CheckpointIndex, read_box: ReadBox, span_of: FileSpan,
+                 pool: ScratchPool):
+        self._index, self._read_box, self._span_of, self._pool = index, read_box, span_of, pool
+        self._local = threading.local()
+
+    def __call__(self, t: TargetTensor) -> torch.Tensor:
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = Scratch(self._pool)
+        return fill_tensor(t, self._index, self._read_box, scratch=scratch)
+
+    def spans(self, t: TargetTensor) -> FileSpans | None:
+        return file_spans(t, self._index, self._span_of)
+
+    def file_done(self) -> None:
+        """This thread's file is written: its last buffer is free."""
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is not None:
+            scratch.done()
 
 
 def bytes_read(targets: list[TargetFile], index: CheckpointIndex) -> int:

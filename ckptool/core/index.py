@@ -10,7 +10,7 @@ written once on top of it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -19,8 +19,8 @@ from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
 from ckptool.core.regions import Region
 from ckptool.core.safe_pickle import UnsafeFinding
 from ckptool.core.storage import Store
-from ckptool.core.torchfile import TorchFile
 from ckptool.core.topology import Topology
+from ckptool.core.torchfile import TorchFile
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +179,32 @@ class Reader:
         return list(self.__dict__.get("_unsafe", {}))
 
 
+class WrappingReader(Reader):
+    """A reader over another (``inner``): a remapped view of its index, or a source with
+    pieces no file holds. Reading goes through :meth:`read_box_into`, which a subclass
+    defines; objects and the pickle findings are the inner reader's."""
+
+    def __init__(self, inner: Reader):
+        self.inner, self.name = inner, inner.name
+
+    def read_box(self, store: Store, piece: Piece, dtype: torch.dtype, box) -> torch.Tensor:
+        out = torch.empty(box[1], dtype=dtype)
+        self.read_box_into(store, piece, dtype, box, out)
+        return out
+
+    def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
+        return self.read_box(store, piece, dtype, piece.region.box).view(piece.region.local_shape)
+
+    def read_object(self, store: Store, obj: ObjectInfo) -> Any:
+        return self.inner.read_object(store, obj)
+
+    def note_unsafe(self, source: str, found, key: str | None = None) -> None:
+        self.inner.note_unsafe(source, found, key)
+
+    def unsafe_pickles(self) -> list[UnsafeFinding]:
+        return self.inner.unsafe_pickles()
+
+
 class Writer:
     """A format's writer, driven by the one rewrite path (``ckptool.ops.reshard.rewrite``).
 
@@ -194,6 +220,9 @@ class Writer:
     name: str = ""
     holds_optimizer: bool = True
     """False for weights-only formats (hf): optimizer state is then left out, and said so."""
+    reshards: bool = True
+    """It rewrites its own format at another layout (``ckptool reshard``); False for formats
+    without a parallel layout (hf) or with only one (deepspeed-universal)."""
     canonical_source: bool = True
     """The source is read under canonical names (``Reader.canonical``) when it is another
     format; False for a writer of the source's own names (DeepSpeed: the module's), which
@@ -209,7 +238,6 @@ class Writer:
 
     def target_topology(self, source: Topology, changes: dict) -> Topology:
         """The output's topology: the source's, with the requested changes."""
-        from dataclasses import replace
 
         return replace(source, **changes)
 

@@ -21,7 +21,13 @@ import xxhash
 
 from ckptool.core import VERSION
 from ckptool.core.errors import BadCheckpoint
-from ckptool.core.storage import Store, fsync, path_problem, pread_blocks, write_file_atomically
+from ckptool.core.storage import (
+    Store,
+    fsync,
+    path_problem,
+    pread_blocks,
+    write_file_atomically,
+)
 
 MANIFEST = "ckptool.json"
 MANIFEST_VERSION = 1

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
+import copyreg
 import io
 import pickle
 import posixpath
@@ -93,7 +95,6 @@ class Record:
         return {}
 
     def __deepcopy__(self, memo):  # copy's default would feed our fields to __setstate__
-        import copy
 
         new = object.__new__(type(self))
         memo[id(self)] = new
@@ -210,7 +211,7 @@ def _plain() -> dict[tuple[str, str], Any]:
            ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")},
     }
     try:
-        import numpy as np
+        import numpy as np  # lazy: optional (its RNG states are refused without it)
     except ImportError:  # numpy's RNG states then stay refused
         return plain
     core = getattr(np, "_core", None) or np.core
@@ -304,8 +305,6 @@ def _reconstructor(cls, base, state):
     if isinstance(cls, type) and issubclass(cls, Record):
         return cls.__new__(cls)
     if _TRUST:
-        import copyreg
-
         return copyreg._reconstructor(cls, base, state)
     return record_class("copyreg", "_reconstructor", unsafe=True)(cls, base, state)
 

@@ -28,8 +28,14 @@ from typing import Any, Callable
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ckptool.core.errors import (BadCheckpoint, DanglingPointer, NotRegularFile, PathEscape,
-                                 UnreadableInput, UsageError)
+from ckptool.core.errors import (
+    BadCheckpoint,
+    DanglingPointer,
+    NotRegularFile,
+    PathEscape,
+    UnreadableInput,
+    UsageError,
+)
 
 TMP_MARK = ".tmp-"
 _TMP_RE = re.compile(r"\.tmp-[0-9a-zA-Z]+$")

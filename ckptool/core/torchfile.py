@@ -29,9 +29,16 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
 
 import torch
+import xxhash
 
 from ckptool.core.errors import BadCheckpoint
-from ckptool.core.safe_pickle import Record, Unpickler, record_class, refuse_unsafe, unsafe_in
+from ckptool.core.safe_pickle import (
+    Record,
+    Unpickler,
+    record_class,
+    refuse_unsafe,
+    unsafe_in,
+)
 
 _STORAGE_DTYPES = {
     "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
@@ -469,7 +476,6 @@ class _ZipWriter:
         """torch.save writes a random ``serialization_id``; ours is derived from the records
         (names, sizes, offsets), so that writing the same data twice gives the same bytes
         (a resumed or distributed reshard equals a single uninterrupted one)."""
-        import xxhash
 
         return str(xxhash.xxh3_128_intdigest(repr(self._entries).encode())).encode()
 

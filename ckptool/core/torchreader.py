@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 
+from ckptool.core import torchfile
+from ckptool.core.engine import Producer
 from ckptool.core.errors import BadCheckpoint
 from ckptool.core.index import Piece, Reader
 from ckptool.core.manifest import HashingWriter
 from ckptool.core.regions import byte_runs
 from ckptool.core.storage import Store
-from ckptool.core import torchfile
 from ckptool.core.torchfile import TensorRef, TorchFile
 
 
@@ -90,7 +91,7 @@ def save_target(store: Store, target, tree: Any, produce) -> tuple[int, str]:
     ``Pending`` placeholder in it (named by a target tensor) is produced as it is written.
     Returns (size, xxh3-128)."""
     pending = {t.name: t for t in target.tensors}
-    spans = getattr(produce, "spans", None)  # the engine's: stream runs of source files as they are
+    spans = produce.spans if isinstance(produce, Producer) else None  # stream runs of source files
     if "/" in target.path:
         store.fs.makedirs(store.path(target.path.rsplit("/", 1)[0]), exist_ok=True)
     with store.open_file(target.path, "wb") as raw:

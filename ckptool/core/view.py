@@ -18,7 +18,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ckptool.core.errors import BadCheckpoint
-from ckptool.core.index import CheckpointIndex, Location, Piece, Reader, TensorInfo
+from ckptool.core.index import (
+    CheckpointIndex,
+    Location,
+    Piece,
+    TensorInfo,
+    WrappingReader,
+)
 from ckptool.core.regions import Region, Shard
 from ckptool.core.storage import Store
 
@@ -128,30 +134,9 @@ def stored_box(piece: Piece, box, out: torch.Tensor):
     return detail.piece, (offsets, lengths), out
 
 
-class ViewReader(Reader):
+class ViewReader(WrappingReader):
     """Reads a remapped index: each canonical box is a box of a stored piece."""
-
-    def __init__(self, inner: Reader):
-        self.inner = inner
-        self.name = inner.name
 
     def read_box_into(self, store: Store, piece: Piece, dtype: torch.dtype, box, out) -> None:
         piece, box, out = stored_box(piece, box, out)
         self.inner.read_box_into(store, piece, dtype, box, out)
-
-    def read_box(self, store: Store, piece: Piece, dtype: torch.dtype, box) -> torch.Tensor:
-        out = torch.empty(box[1], dtype=dtype)
-        self.read_box_into(store, piece, dtype, box, out)
-        return out
-
-    def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
-        return self.read_box(store, piece, dtype, piece.region.box).view(piece.region.local_shape)
-
-    def read_object(self, store: Store, obj):
-        return self.inner.read_object(store, obj)
-
-    def note_unsafe(self, source, found, key=None) -> None:
-        self.inner.note_unsafe(source, found, key)
-
-    def unsafe_pickles(self):
-        return self.inner.unsafe_pickles()

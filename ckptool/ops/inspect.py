@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ckptool.checkpoint import open_checkpoint, unsafe_pickles
+from ckptool.checkpoints.open import open_checkpoint, unsafe_pickles
+from ckptool.core.optimizer import PREFIX
 from ckptool.core.safe_pickle import trusted
 
 
@@ -45,7 +46,6 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-OPTIMIZER_PREFIX = "optimizer.state."
 
 
 def _optimizer(index) -> str | None:
@@ -55,8 +55,8 @@ def _optimizer(index) -> str | None:
         return f"not mapped to parameters: {index.unmapped} (reshard/convert need --drop-optimizer)"
     kinds: dict[str, int] = {}
     for key in index.tensors:
-        if key.startswith(OPTIMIZER_PREFIX):
-            kind = key[len(OPTIMIZER_PREFIX):].partition(".")[0]
+        if key.startswith(PREFIX):
+            kind = key[len(PREFIX):].partition(".")[0]
             kinds[kind] = kinds.get(kind, 0) + 1
     if not kinds:
         return None

@@ -25,14 +25,19 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 
+from ckptool.checkpoints.open import open_checkpoint
 from ckptool.core.errors import TopologyError, UsageError
 from ckptool.core.layout import ModelSpec, global_params, layout, stage_layers
+from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
+from converters.schemas.hf import family_of_config, spec_from_config
+from converters.schemas.megatron_args import spec_from_args
 
 STRATEGIES = ("zero0", "zero1", "zero2", "zero3", "megatron-distopt")
 GB = 1e9
@@ -193,7 +198,6 @@ def parse_count(text: str) -> int:
 
 def model_from(path: str) -> tuple[ModelSpec, Topology | None]:
     """The model of an HF ``config.json``, a Megatron args file (JSON) or any checkpoint."""
-    from ckptool.core.storage import Store
 
     store = Store.open(path)
     if not store.isdir() and store.exists():
@@ -202,7 +206,6 @@ def model_from(path: str) -> tuple[ModelSpec, Topology | None]:
         except ValueError:
             raise UsageError("--model is neither JSON nor a checkpoint directory", path=path) from None
         return _spec_from_json(config, path), None
-    from ckptool.checkpoint import open_checkpoint
 
     index = open_checkpoint(path).index
     if index.model_config is None:
@@ -213,14 +216,8 @@ def model_from(path: str) -> tuple[ModelSpec, Topology | None]:
 
 def _spec_from_json(config: dict, path: str) -> ModelSpec:
     if "model_type" in config or "architectures" in config:
-        from converters.hf_schema import family_of_config, spec_from_config
-
         return spec_from_config(config, family_of_config(config, None, path))
     if "num_layers" in config:  # Megatron args as JSON
-        import argparse
-
-        from converters.megatron_common import spec_from_args
-
         args = argparse.Namespace(**config)
         if not hasattr(args, "padded_vocab_size"):
             args.padded_vocab_size = config.get("vocab_size")

@@ -166,7 +166,7 @@ def _hook_save_worker(rank, m, tp, root, port):
     its local TP parameters; ``AsyncCheckpointer`` writes them."""
     # Imported here on purpose: the fork server preloads this module (conftest.PRELOAD), and
     # these import fsspec, which reads its FSSPEC_* configuration once, at import.
-    from converters.megatron_common import spec_from_args
+    from converters.schemas.megatron_args import spec_from_args
     from training import AsyncCheckpointer
     from training.megatron import sharded_state
 

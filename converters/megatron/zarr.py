@@ -36,14 +36,29 @@ from typing import Any
 import torch
 
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UnsupportedFormat
-from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo
+from ckptool.core.index import (
+    CheckpointIndex,
+    Location,
+    ObjectInfo,
+    Piece,
+    Reader,
+    TensorInfo,
+)
 from ckptool.core.regions import Region, byte_runs
 from ckptool.core.storage import Store
 from ckptool.core.torchfile import TorchFile
-from converters import megatron_optimizer as optim
-from converters.megatron_common import (COMMON, METADATA_JSON, OPTIMIZER, STACK_TAG,
-                                        checkpoint_dir, is_stacked, metadata, read_common,
-                                        split_layers)
+from converters.megatron import optimizer as optim
+from converters.megatron.common import (
+    COMMON,
+    METADATA_JSON,
+    OPTIMIZER,
+    STACK_TAG,
+    checkpoint_dir,
+    is_stacked,
+    metadata,
+    read_common,
+    split_layers,
+)
 
 NAME = "megatron-zarr"
 BACKEND = "zarr"
@@ -277,7 +292,7 @@ def _decode(store: Store, loc: Location, chunk: _Chunk, dtype: torch.dtype,
 
 def _undo_codecs(raw: bytes, codecs: str, source: str) -> bytes:
     try:
-        import numcodecs
+        import numcodecs  # lazy: only compressed chunks need it
     except ImportError:
         raise UnreadableInput("compressed zarr chunks need numcodecs", path=source,
                               hint="pip install numcodecs") from None

@@ -26,13 +26,18 @@ from typing import Callable
 import torch
 
 import converters
-from ckptool.checkpoint import merge_manifest, read_index, resolve
-from ckptool.core.errors import BadCheckpoint, CkptoolError, UsageError
+from ckptool.checkpoints.open import merge_manifest, read_index, resolve
+from ckptool.core.errors import BadCheckpoint, CkptoolError, UnsafePickle, UsageError
 from ckptool.core.index import CheckpointIndex, Reader
-from ckptool.core.manifest import MANIFEST, Manifest, build_manifest, hash_files, read_manifest, \
-    write_manifest
+from ckptool.core.manifest import (
+    MANIFEST,
+    Manifest,
+    build_manifest,
+    hash_files,
+    read_manifest,
+    write_manifest,
+)
 from ckptool.core.regions import coverage_problems, plan_copies
-from ckptool.core.errors import UnsafePickle
 from ckptool.core.safe_pickle import trusted
 from ckptool.core.storage import Store, is_temporary
 

@@ -1,6 +1,6 @@
 """Megatron-Core's distributed optimizer in ``torch_dist`` checkpoints, mapped to parameters.
 
-Not a format: what :mod:`converters.megatron_dist` reads and writes for it, written once.
+Not a format: what :mod:`converters.megatron.dist` reads and writes for it, written once.
 
 ``DistributedOptimizer.sharded_state_dict`` (megatron-core 0.16) saves the state in the
 form ``metadata["distrib_optim_sharding_type"]`` names, and says which in ``common.pt``
@@ -14,7 +14,7 @@ returns to a loader to build the matching state dict):
   of the bucket's length without its tail padding (so any DP size loads it), each DP rank's
   parameter slices and the 64-alignment gaps as separate chunks. ``g`` is the rank in the
   model-parallel group (``pp_rank * TP + tp_rank``). The elements follow Megatron's buffer
-  rule (:mod:`converters.megatron_distopt`): the same offsets as ``distrib_optim.pt``, cut
+  rule (:mod:`converters.megatron.distopt`): the same offsets as ``distrib_optim.pt``, cut
   at the bucket boundaries, which the rule gives from args and the tensors' lengths check.
   The param groups (with the step) and grad scaler are pickled objects per ``g``
   (``optimizer.distributed.dp_group_idx_{g}.optimizer``...).
@@ -38,13 +38,14 @@ from dataclasses import replace
 
 import torch
 
+from ckptool.core import optimizer as canon
 from ckptool.core.errors import UnreadableInput
 from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, TensorInfo
 from ckptool.core.layout import ModelSpec
 from ckptool.core.regions import Region
-from converters import megatron_distopt as distopt
-from converters import megatron_optimizer as optim
-from converters.megatron_common import source_dtype
+from converters.megatron import distopt
+from converters.megatron import optimizer as optim
+from converters.schemas.megatron_args import source_dtype
 
 DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
 WRITTEN = FULLY_RESHARDABLE
@@ -72,7 +73,7 @@ _SCHEMA = {"local": "mcore-local", "transformer_engine": "mcore-te"}
 
 def file_key(kind: str, canonical: str) -> str:
     """The torch_dist key of a parameter's state in the model-shaped forms."""
-    return optim.state_key(distopt.FILE_KEYS[kind], canonical)
+    return canon.state_key(distopt.FILE_KEYS[kind], canonical)
 
 
 def read(value: dict, index: CheckpointIndex, source: str, read_object) -> None:
@@ -173,8 +174,8 @@ def _read_model_shaped(value, index, spec, args, source) -> dict:
                         "bucket padding (\"param range exceeds unpadded buffer\"), so it is "
                         "not the parameters' state", path=source,
                         hint="Save with dp_reshardable, or with one DDP bucket")
-    for key in [k for k in index.tensors if k.startswith(optim.PREFIX + "param.")]:
-        canonical = optim.state_key("fp32_param", key[len(optim.PREFIX + "param."):])
+    for key in [k for k in index.tensors if k.startswith(canon.PREFIX + "param.")]:
+        canonical = canon.state_key("fp32_param", key[len(canon.PREFIX + "param."):])
         info = index.tensors.pop(key)
         index.tensors[canonical] = TensorInfo(
             canonical, info.shape, info.dtype,
@@ -265,7 +266,7 @@ def _add_pieces(tensors: dict, rank, buffer, buckets, source: str) -> None:
         for kind, fkey in distopt.FILE_KEYS.items():
             bucket = buckets[b][fkey]
             for off, region in t.shard.parts:
-                key = optim.state_key(kind, region.key)
+                key = canon.state_key(kind, region.key)
                 info = tensors.get(key)
                 if info is None:
                     info = tensors[key] = TensorInfo(key, region.global_shape, bucket.dtype)

@@ -10,42 +10,53 @@ entries are bytes. ``common.pt`` holds the non-sharded state (``args``, ``iterat
 
 The reader presents the canonical view: one global tensor per layer
 (``decoder.layers.{i}.…``), each stored chunk of a stacked tensor split into per-layer
-pieces. The older ``zarr`` backend is read by :mod:`converters.megatron_zarr` (not written).
+pieces. The older ``zarr`` backend is read by :mod:`converters.megatron.zarr` (not written).
 
 The non-distributed optimizer (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``)
 saves its state the model's way: ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<model
 key>`` ShardedTensors (stacked like the model's, so the same per-layer split gives the
 canonical keys), and its step, param groups and grad scaler in ``common.pt["optimizer"]``
-(see :mod:`converters.megatron_optimizer`). The distributed optimizer's state
+(see :mod:`converters.megatron.optimizer`). The distributed optimizer's state
 (``dp_reshardable`` buckets or ``fully_reshardable`` model-shaped tensors) is mapped to the
-same canonical keys, and written ``fully_reshardable`` (:mod:`converters.megatron_dist_distopt`).
+same canonical keys, and written ``fully_reshardable`` (:mod:`converters.megatron.dist_distopt`).
 """
 
 from __future__ import annotations
 
 import io
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
+from ckptool.core import optimizer as canon
 from ckptool.core import torchfile
 from ckptool.core.dcpfile import METADATA, DcpContainerReader
 from ckptool.core.dcpwrite import DcpFileWriter, RecordedFiles, write_metadata
 from ckptool.core.engine import TargetFile, TargetTensor
-from ckptool.core.layout import VOCAB, ModelSpec, layout
-from ckptool.core.regions import Shard
-from ckptool.core.topology import Topology
 from ckptool.core.errors import BadCheckpoint, UnsupportedFormat
 from ckptool.core.index import CheckpointIndex, Piece, TensorInfo, Writer
+from ckptool.core.layout import VOCAB, ModelSpec, layout
+from ckptool.core.regions import Shard
 from ckptool.core.storage import Store
-from converters import megatron_dist_distopt as dist_distopt
-from converters import megatron_optimizer as optim
-from converters.megatron_common import (CANONICAL_COMMON, COMMON, METADATA_JSON, OPTIMIZER,
-                                        STACK_TAG, STACKED, TRACKER, UnevenStages,
-                                        checkpoint_dir, is_stacked, iteration_dir, metadata,
-                                        params_by_key, read_common, source_dtype, split_layers,
-                                        update_args)
+from ckptool.core.topology import Topology
+from converters.megatron import dist_distopt as dist_distopt
+from converters.megatron import optimizer as optim
+from converters.megatron.common import (
+    CANONICAL_COMMON,
+    COMMON,
+    METADATA_JSON,
+    OPTIMIZER,
+    STACK_TAG,
+    STACKED,
+    checkpoint_dir,
+    is_stacked,
+    metadata,
+    read_common,
+    split_layers,
+)
+from converters.schemas.megatron import TRACKER, iteration_dir, params_by_key
+from converters.schemas.megatron_args import UnevenStages, source_dtype, update_args
 
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
                        "mlp.linear_fc2")
@@ -108,6 +119,16 @@ class MegatronDistReader(DcpContainerReader):
 # ----------------------------------------------------------------------------- writing
 
 
+@dataclass(frozen=True, slots=True)
+class DistFile:
+    """One writer rank's ``.distcp`` file in ``it_dir`` (rank 0 also the extra state)."""
+
+    rank: int
+    it_dir: str
+    spec: ModelSpec
+    topo: Topology
+
+
 class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
     """Writes a Megatron-Core ``torch_dist`` run root: tracker + ``iter_*/`` with
     ``metadata.json``, ``common.pt`` and a DCP container whose per-layer tensors are stacked.
@@ -148,7 +169,7 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         return notes
 
     def unsupported_state(self, index) -> str | None:
-        if index.unmapped or not any(k.startswith(optim.PREFIX) for k in index.tensors):
+        if index.unmapped or not any(k.startswith(canon.PREFIX) for k in index.tensors):
             return index.unmapped
         if optim.DISTRIBUTED_KEY in index.objects:
             return None
@@ -175,13 +196,13 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         distributed = index.objects.get(optim.DISTRIBUTED_KEY) if with_optimizer else None
         self._distributed = distributed.value if distributed else None
         kinds = optim.state_kinds(self._optimizer) if self._optimizer else ()
-        state_name = optim.state_key
+        state_name = canon.state_key
         if self._distributed is not None:  # every parameter has an fp32 master
-            kinds, state_name = optim.KINDS, dist_distopt.file_key
+            kinds, state_name = canon.KINDS, dist_distopt.file_key
         for rank in layout(spec, topo):
             rank_id = rank.pp_rank * topo.tp + rank.tp_rank
             target = TargetFile(f"{it_dir}/__{rank_id}_0.distcp",
-                                context={"rank": rank_id, "it_dir": it_dir, "spec": spec, "topo": topo})
+                                context=DistFile(rank_id, it_dir, spec, topo))
             for t in rank.tensors:
                 if t.replica:
                     continue
@@ -192,24 +213,24 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
                         name = key if kind is None else state_name(kind, key)
                         read = "fp32_param" if kind is None and master else kind
                         dtype = source_dtype(index, _first_key(t) if read is None else
-                                             optim.state_key(read, _first_key(t)))
+                                             canon.state_key(read, _first_key(t)))
                         self._shapes[name] = (shape, dtype)
                         target.tensors.append(TargetTensor(
                             (name, offsets, lengths),
-                            shard if read is None else optim.state_shard(read, shard), dtype))
+                            shard if read is None else canon.state_shard(read, shard), dtype))
             files.append(target)
         return files
 
     def write_file(self, store: Store, target: TargetFile, produce, index, true_vocab_size):
-        ctx = target.context
-        sub = store.child(ctx["it_dir"])
+        ctx: DistFile = target.context
+        sub = store.child(ctx.it_dir)
         sub.fs.makedirs(sub.root, exist_ok=True)
         with DcpFileWriter(sub, target.path.rsplit("/", 1)[1]) as w:
             for t in target.tensors:
                 key, offsets, lengths = t.name
                 w.add_chunk(key, offsets, lengths, produce(t).reshape(lengths))
-            if ctx["rank"] == 0:
-                spec = ctx["spec"]
+            if ctx.rank == 0:
+                spec = ctx.spec
                 for g in range(spec.num_layers):
                     for module in EXTRA_STATE_MODULES:
                         # mcore stores each ShardedObject as the list of its local values

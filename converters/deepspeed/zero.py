@@ -1,6 +1,6 @@
 """DeepSpeed's ZeRO layout rules and file structure, shared by the deepspeed,
 deepspeed-universal and pipeline readers and writers (:mod:`converters.deepspeed`,
-:mod:`converters.deepspeed_universal`, :mod:`converters.deepspeed_pipe`). Not a format.
+:mod:`converters.deepspeed.universal`, :mod:`converters.deepspeed.pipe`). Not a format.
 
 * The partition rules: ZeRO-1/2 cut each param group's flat buffer (``param_shapes``
   order, optional ``parameter_alignment`` gaps, tail padding to a multiple of ``2*dp``)
@@ -29,13 +29,13 @@ import torch
 from ckptool.core import VERSION
 from ckptool.core.errors import BadCheckpoint, TopologyError, UnreadableInput
 from ckptool.core.index import CheckpointIndex, Location, Piece, TensorInfo
+from ckptool.core.optimizer import state_key, torch_state_dict
 from ckptool.core.regions import Region, Shard
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import TensorRef
 from ckptool.core.torchreader import TorchFileReader
-from converters.hf_schema import CONFIG, named_view
-from converters.megatron_optimizer import state_key, torch_state_dict
+from converters.schemas.hf import CONFIG, named_view
 
 LAYOUT_KEY = "deepspeed.layout"
 MARK = "ckptool"
@@ -54,12 +54,21 @@ client's torch state dict and the fp32 masters, a list per param group parallel 
 ``params``, beside the loss-scale entries (DeepSpeed 0.19.8)."""
 
 PIPELINE_KEY = "deepspeed.pipeline"
-"""The index object of a pipeline source (:class:`converters.deepspeed_pipe.PipeLayout`)."""
+"""The index object of a pipeline source (:class:`converters.deepspeed.pipe.PipeLayout`)."""
 
 Group = list[tuple[str, tuple[int, ...]]]
 
 
 # ------------------------------------------------------------------- the layout rules
+
+
+def param_groups(model_states: dict) -> list[Group]:
+    """The param groups of a model-states file, in flat-buffer order: its ``param_shapes``
+    (one ``{name: shape}`` per optimizer param group); [] when it records none."""
+    shapes = model_states.get("param_shapes") or []
+    if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
+        raise BadCheckpoint("model states: param_shapes is not a list of {name: shape}")
+    return [[(str(n), tuple(int(x) for x in s)) for n, s in g.items()] for g in shapes]
 
 
 def uncarried_state(state) -> str | None:

@@ -1,6 +1,6 @@
 """The Hugging Face name and config schemas: which canonical regions each HF tensor holds,
 and what an HF ``config.json`` says about the model. Not a format: the ``hf`` reader and
-writer (:mod:`converters.hf`) and the DeepSpeed reader and writer (an engine whose module
+writer (:mod:`converters.hf.format`) and the DeepSpeed reader and writer (an engine whose module
 is an HF model, the HF Trainer's ``config.json`` beside ``latest``) share it.
 
 One table per model family says which regions of the canonical (Megatron-Core) global
@@ -25,7 +25,13 @@ import torch
 
 from ckptool.core.errors import UnreadableInput, UsageError
 from ckptool.core.index import CheckpointIndex, ObjectInfo
-from ckptool.core.layout import FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, ModelSpec
+from ckptool.core.layout import (
+    FINAL_NORM,
+    OUTPUT_LAYER,
+    POSITION_EMBEDDINGS,
+    WORD_EMBEDDINGS,
+    ModelSpec,
+)
 from ckptool.core.regions import Region
 from ckptool.core.view import Entry as HfTensor
 from ckptool.core.view import remap

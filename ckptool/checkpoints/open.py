@@ -17,6 +17,7 @@ from ckptool.core.manifest import Manifest, read_manifest
 from ckptool.core.safe_pickle import trusted
 from ckptool.core.storage import Store, is_temporary
 from ckptool.core.topology import Topology
+from ckptool.core.view import ViewReader
 
 _NUMBER = re.compile(r"(\d+)")
 
@@ -92,7 +93,6 @@ class Opened:
 
     def canonical(self) -> "Opened":
         """This checkpoint under canonical tensor names (itself when it has them already)."""
-        from ckptool.core.view import ViewReader
 
         view = self.reader.canonical(self.store, self.index)
         if view is None:

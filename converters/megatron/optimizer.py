@@ -24,15 +24,22 @@ the fp32 masters), and ``common.pt`` holds the rest (:func:`read_sharded_common`
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ckptool.core.errors import UnreadableInput, UsageError
+from ckptool.core.optimizer import (
+    KINDS,
+    PREFIX,
+    decay_groups,
+    no_decay,
+    split_key,
+    state_key,
+    torch_state_dict,
+)
 
-KINDS = ("exp_avg", "exp_avg_sq", "fp32_param")
-PREFIX = "optimizer.state."
 LAYOUT_KEY = "megatron.optimizer.layout"
 """Canonical object of both Megatron formats: the optimizer's non-tensor state, a
 :class:`Layout` without tensors."""
@@ -40,20 +47,6 @@ DISTRIBUTED_KEY = "megatron.optimizer.distributed"
 """The legacy reader's object for a distributed optimizer (``distrib_optim.pt``)."""
 COMMON_STEP = "common_step"
 """Where ``sharded_state_dict`` keeps the step shared by every parameter."""
-
-
-def state_key(kind: str, canonical: str) -> str:
-    """Canonical key of one optimizer tensor: ``optimizer.state.exp_avg.<param key>``."""
-    return f"{PREFIX}{kind}.{canonical}"
-
-
-def no_decay(name: str, ndim: int) -> bool:
-    return name.endswith(".bias") or ndim == 1
-
-
-def groups(params: list[tuple[str, int]]) -> list[list[str]]:
-    """Megatron's two param groups for ``(name, ndim)`` in named_parameters order."""
-    return [[n for n, d in params if not no_decay(n, d)], [n for n, d in params if no_decay(n, d)]]
 
 
 @dataclass
@@ -87,7 +80,7 @@ def read(optimizer: Any, params: list[tuple[str, int, tuple]], source: str,
         raise UnreadableInput("optimizer state is not a Megatron FP32/Float16 optimizer state dict",
                               path=source)
     by_name = {n: (d, s) for n, d, s in params}
-    expected = groups([(n, d) for n, d, _ in params])
+    expected = decay_groups([(n, d) for n, d, _ in params])
     stored = [list(g.get("params", [])) for g in inner["param_groups"]]
     sizes = [len(g) for g in stored]
     if [len(g) for g in expected if g] != [n for n in sizes if n]:
@@ -137,28 +130,14 @@ def _scalar(value):
         return value
 
 
-def torch_state_dict(groups: list[list[str]], hyper: list[dict], entry) -> dict:
-    """A torch optimizer's ``state_dict()``: parameters numbered across ``groups`` in order
-    (the numbering every reader of such a dict must undo), group ``g`` with ``hyper[g]``,
-    each parameter's state ``entry(g, name)``."""
-    state, param_groups, index = {}, [], 0
-    for g, names in enumerate(groups):
-        param_groups.append({**copy.deepcopy(hyper[g]), "params": list(range(index, index + len(names)))})
-        for name in names:
-            state[index] = entry(g, name)
-            index += 1
-    return {"state": state, "param_groups": param_groups}
-
-
 def build(params: list[tuple[str, int]], layout: Layout, pending) -> dict:
     """The optimizer entry of a target rank file.
 
     ``params`` is ``(local name, ndim)`` in the target model's named_parameters order;
     ``pending(kind, name)`` gives the tensor placeholder for that parameter's state.
     """
-    import torch
 
-    grouped = groups(params)
+    grouped = decay_groups(params)
     hyper = layout.hyper if len(layout.hyper) >= 2 else layout.hyper + [dict(layout.hyper[0])]
 
     def entry(g, name):
@@ -214,7 +193,6 @@ def read_sharded_common(optimizer: Any, source: str) -> Layout:
 def sharded_common(layout: Layout) -> dict:
     """What ``dist_checkpointing.save`` puts in common.pt for this optimizer: the inverse of
     :func:`read_sharded_common` (mcore keeps the step only when it is non-zero)."""
-    import torch
 
     inner = {"state": {}, "param_groups": copy.deepcopy(layout.hyper)}
     if layout.step:
@@ -226,15 +204,6 @@ def state_kinds(layout: Layout) -> tuple[str, ...]:
     """The state tensors each parameter has: Adam's moments, and the fp32 master when the
     optimizer keeps one apart from a 16-bit parameter."""
     return KINDS if layout.fp16 else KINDS[:2]
-
-
-def split_key(key: str) -> tuple[str, str] | None:
-    """``optimizer.state.exp_avg.<param key>`` -> (``exp_avg``, ``<param key>``); None for a
-    key that is not a state tensor of a known kind."""
-    if not key.startswith(PREFIX):
-        return None
-    kind, _, param = key[len(PREFIX):].partition(".")
-    return (kind, param) if kind in KINDS and param else None
 
 
 def check_tensors(index, layout: Layout | None, source: str, kinds: tuple[str, ...] | None = None
@@ -271,67 +240,6 @@ def check_tensors(index, layout: Layout | None, source: str, kinds: tuple[str, .
     return None
 
 
-def state_shard(kind: str, shard):
-    """The shard of a parameter's ``kind`` state: the parameter's regions under the state's
-    key (a state tensor is laid out exactly like its parameter)."""
-    from dataclasses import replace
-
-    from ckptool.core.regions import Shard
-
-    parts = tuple((off, replace(r, key=state_key(kind, r.key))) for off, r in shard.parts)
-    return Shard(shard.shape, parts, shard.dtype)
-
-
-# ----------------------------------------------------------- a fresh state (--init-optimizer)
-
-FRESH_STEP = "optimizer.fresh_step"
-"""Object of an index given a fresh state: the step every param group starts at (0)."""
-_ZEROS = "zeros"
-
-
-def with_fresh_state(opened):
-    """``opened`` (a weights-only source) with a fresh Adam state for every tensor, the
-    state a torch Adam/AdamW has before its first step: an fp32 master equal to the weight,
-    both moments zero, step 0. Only ``convert --init-optimizer`` asks for it."""
-    from ckptool.checkpoint import Opened
-    from ckptool.core.index import Location, ObjectInfo, Piece, TensorInfo
-    from ckptool.core.regions import Region
-
-    index = replace(opened.index, tensors=dict(opened.index.tensors),
-                    objects=dict(opened.index.objects))
-    for key, info in opened.index.tensors.items():
-        master = state_key("fp32_param", key)
-        index.tensors[master] = TensorInfo(master, info.shape, torch.float32, [
-            Piece(replace(p.region, key=master), p.location) for p in info.pieces])
-        for kind in ("exp_avg", "exp_avg_sq"):
-            k = state_key(kind, key)
-            index.tensors[k] = TensorInfo(k, info.shape, torch.float32, [
-                Piece(Region.whole(k, info.shape), Location("", detail=_ZEROS))])
-    index.objects[FRESH_STEP] = ObjectInfo(FRESH_STEP, value=0)
-    return Opened(opened.store, opened.format, _FreshReader(opened.reader), opened.manifest, index)
-
-
-class _FreshReader:
-    """The source's reader, with zeros for the fresh moments (which no file holds)."""
-
-    def __init__(self, inner):
-        self.inner, self.name = inner, inner.name
-
-    def read_box_into(self, store, piece, dtype, box, out) -> None:
-        if piece.location.detail == _ZEROS and not piece.location.file:
-            out.zero_()
-        else:
-            self.inner.read_box_into(store, piece, dtype, box, out)
-
-    def file_span(self, store, piece, dtype, box):
-        if piece.location.detail == _ZEROS and not piece.location.file:
-            return None  # no file holds them: filled, never copied
-        return self.inner.file_span(store, piece, dtype, box)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
 # ------------------------------------------------------- a DeepSpeed source's state, as Megatron's
 
 SCHEDULE_FLAG = "--megatron-lr-schedule"
@@ -349,7 +257,7 @@ _SCHEDULE_HINT = (f"Pass {SCHEDULE_FLAG} " + ",".join(f"{k}=..." for k in SCHEDU
                   + " (the OptimizerParamScheduler values of the Megatron job that resumes, "
                     "steps in samples), or --drop-optimizer")
 _DEEPSPEED_GROUPS = ("deepspeed.layout", "deepspeed.pipeline")
-"""Index objects of the DeepSpeed reader (:mod:`converters.zero`'s ``LAYOUT_KEY`` and
+"""Index objects of the DeepSpeed reader (:mod:`converters.deepspeed.zero`'s ``LAYOUT_KEY`` and
 ``PIPELINE_KEY``), read here by their fields only: ``groups`` (param groups of
 ``(name, shape)``; per model-parallel rank for a pipeline), ``hyper`` and ``steps``."""
 MEGATRON_GROUP = {"is_expert_parallel": False, "default_config": True, "lr_mult": 1.0,

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints: ``config.json`` + ``model.safetensors``, or sharded
 ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``.
 
-The names and the config are :mod:`converters.hf_schema`'s: one table per model family
+The names and the config are :mod:`converters.schemas.hf`'s: one table per model family
 says which regions of the canonical (Megatron-Core) global tensors each HF tensor holds;
 the reader and the writer both use it, so a quirk is written once.
 
@@ -22,19 +22,35 @@ import torch
 
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
-from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, Reader, TensorInfo, Writer
+from ckptool.core.index import (
+    CheckpointIndex,
+    Location,
+    ObjectInfo,
+    Piece,
+    Reader,
+    TensorInfo,
+    Writer,
+)
 from ckptool.core.layout import ModelSpec
 from ckptool.core.manifest import HashingWriter
+from ckptool.core.optimizer import state_shard
 from ckptool.core.regions import Region, Shard
 from ckptool.core.stfile import NAMES as ST_DTYPES
 from ckptool.core.stfile import parse_header
 from ckptool.core.storage import Store
+from ckptool.core.topology import Topology
 from ckptool.core.view import Entry as HfTensor
 from ckptool.core.view import remap, stored_box
-from converters.hf_schema import (CONFIG, CONFIG_KEY, FAMILY_KEY, config_for, family_of, family_of_config,
-                                  hf_tensors, spec_from_config)
-from converters.megatron_optimizer import state_shard
-from ckptool.core.topology import Topology
+from converters.schemas.hf import (
+    CONFIG,
+    CONFIG_KEY,
+    FAMILY_KEY,
+    config_for,
+    family_of,
+    family_of_config,
+    hf_tensors,
+    spec_from_config,
+)
 
 NAME = "hf"
 SINGLE = "model.safetensors"
@@ -170,6 +186,7 @@ class HfWriter(Writer):
 
     name = NAME
     holds_optimizer = False
+    reshards = False
 
     def __init__(self):
         self.max_shard_size = 5 << 30

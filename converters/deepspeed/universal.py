@@ -36,22 +36,39 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ckptool.core import VERSION
 from ckptool.core.engine import TargetFile, TargetTensor
-from ckptool.core.errors import BadCheckpoint, TopologyError, UnreadableInput, UsageError
+from ckptool.core.errors import (
+    BadCheckpoint,
+    TopologyError,
+    UnreadableInput,
+    UsageError,
+)
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
+from ckptool.core.optimizer import state_key
 from ckptool.core.regions import Region, Shard
 from ckptool.core.storage import Store, pointed_dir
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending, TensorRef
 from ckptool.core.torchreader import save_target
-from converters.hf_schema import CONFIG
-from converters.megatron_optimizer import state_key
-from converters.zero import (LAYOUT_KEY, MARK, PIPELINE_KEY, Layout, ZeroReader, add_region, int_or_none,
-                             source_state_key, zero3_partition)
+from converters.deepspeed.zero import (
+    LAYOUT_KEY,
+    MARK,
+    PIPELINE_KEY,
+    Layout,
+    ZeroReader,
+    add_region,
+    int_or_none,
+    param_groups,
+    source_state_key,
+    zero3_partition,
+)
+from converters.schemas.hf import CONFIG
 
 NAME = "deepspeed-universal"
 LATEST_UNIVERSAL = "latest_universal"
@@ -77,7 +94,7 @@ def _tag(store: Store) -> str:
 class UniversalReader(ZeroReader):
     """Reads ckptool's and ds_to_universal's output (mp=1). ``canonical`` (an HF model's
     names, ``config.json`` beside ``latest_universal``) is the DeepSpeed reader's: both are
-    :class:`~converters.zero.ZeroReader`."""
+    :class:`~converters.deepspeed.zero.ZeroReader`."""
 
     name = NAME
 
@@ -109,7 +126,7 @@ class UniversalReader(ZeroReader):
         if not isinstance(module, dict) or not all(isinstance(v, TensorRef) for v in module.values()):
             raise BadCheckpoint("model states have no `module` state dict of tensors",
                                 path=store.display(first))
-        groups = [[(n, tuple(s)) for n, s in g.items()] for g in ms.get("param_shapes") or []]
+        groups = param_groups(ms)
         if not groups:
             raise BadCheckpoint("model states have no param_shapes", path=store.display(first))
         index = CheckpointIndex(format=NAME, url=store.url, topology=Topology(),
@@ -239,11 +256,21 @@ def _same(a, b) -> bool:
 # ------------------------------------------------------------------------- writing
 
 
+@dataclass(frozen=True, slots=True)
+class TreeFile:
+    """One file of the universal layout: the object tree written, its tensors ``Pending``
+    (converted to ``dtype`` as they are produced, when set)."""
+
+    tree: Any
+    dtype: torch.dtype | None = None
+
+
 class UniversalWriter(Writer):
     """Writes a universal run root from a DeepSpeed ZeRO-1/2/3 checkpoint: every tensor whole,
     so there is no DP size or stage to choose."""
 
     name = NAME
+    reshards = False
     canonical_source = False  # the module's own names, as DeepSpeed loads them
     _config: bytes | None = None
 
@@ -291,14 +318,14 @@ class UniversalWriter(Writer):
         zero = f"{layout.tag}/{ZERO}"
         files = [self._model_file(f"{layout.tag}/{MP_STATES}", index, layout, layout.stage < 3),
                  self._model_file(f"{layout.tag}/{ZERO3_STATES.format(0)}", index, layout, False),
-                 TargetFile(f"{zero}/{OPTIMIZER_STATE}", context={"tree": _optimizer_state(layout)})]
+                 TargetFile(f"{zero}/{OPTIMIZER_STATE}", context=TreeFile(_optimizer_state(layout)))]
         for g, group in enumerate(layout.groups):
             for name, shape in group:
                 for kind, stem in FILES.items():
                     key = source_state_key(index, kind, name)
                     files.append(_whole_file(f"{zero}/{name}/{stem}.pt", index, key, shape,
                                              {CAT_DIM: 0}))
-                files.append(TargetFile(f"{zero}/{name}/step.pt", context={"tree": layout.steps[g]}))
+                files.append(TargetFile(f"{zero}/{name}/step.pt", context=TreeFile(layout.steps[g])))
         for name, shape, _ in layout.module:  # frozen, aliases, buffers: ds_to_universal's rule
             if name not in layout.trainable:
                 key = layout.shared.get(name, name)
@@ -309,7 +336,7 @@ class UniversalWriter(Writer):
     def _model_file(self, path, index, layout: Layout, weights: bool) -> TargetFile:
         """Model states: the source's entries; ``module`` with the weights (``weights``) or,
         as ZeRO-3 writes it, with empty parameters and the buffers only."""
-        target = TargetFile(path)
+        tensors = []
         module = OrderedDict()
         for name, shape, dtype in layout.module:
             if not weights and name in layout.params:
@@ -318,20 +345,19 @@ class UniversalWriter(Writer):
             key = layout.shared.get(name, name)
             info = index.tensors[key]
             shard = Shard.of(Region.whole(key, info.shape))
-            target.tensors.append(TargetTensor(name, shard, info.dtype))
+            tensors.append(TargetTensor(name, shard, info.dtype))
             module[name] = Pending(name, info.shape, info.dtype)
         tree = dict(layout.model_states)
         tree.update(module=module, frozen_param_fragments=None, **{MARK: {"version": VERSION}},
                     param_shapes=[OrderedDict((n, torch.Size(s)) for n, s in group)
                                   for group in layout.groups])  # DeepSpeed calls .numel() on them
-        target.context = {"tree": tree}
-        return target
+        return TargetFile(path, tensors, TreeFile(tree))
 
     def write_file(self, store: Store, target: TargetFile, produce, index: CheckpointIndex,
                    true_vocab_size: int | None) -> tuple[int, str]:
-        dtype = target.context.get("dtype")
-        fill = (lambda t: produce(t).to(dtype)) if dtype is not None else produce
-        return save_target(store, target, target.context["tree"], fill)
+        ctx: TreeFile = target.context
+        fill = (lambda t: produce(t).to(ctx.dtype)) if ctx.dtype is not None else produce
+        return save_target(store, target, ctx.tree, fill)
 
     def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
         store.write_bytes(LATEST_UNIVERSAL, index.objects[LAYOUT_KEY].value.tag.encode())
@@ -349,10 +375,8 @@ class UniversalWriter(Writer):
 def _whole_file(path: str, index: CheckpointIndex, key: str, shape, head: dict) -> TargetFile:
     """A ``zero/`` file: ``{**head, "param": <all of key, as fp32>}``."""
     info = index.tensors[key]
-    target = TargetFile(path, [TargetTensor(PARAM, Shard.of(Region.whole(key, info.shape)), info.dtype)])
-    target.context = {"tree": {**head, PARAM: Pending(PARAM, tuple(shape), torch.float32)},
-                      "dtype": torch.float32}
-    return target
+    return TargetFile(path, [TargetTensor(PARAM, Shard.of(Region.whole(key, info.shape)), info.dtype)],
+                      TreeFile({**head, PARAM: Pending(PARAM, tuple(shape), torch.float32)}, torch.float32))
 
 
 def _optimizer_state(layout: Layout) -> dict:

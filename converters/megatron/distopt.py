@@ -4,7 +4,6 @@ Not a format: the rules shared by the Megatron reader and writer, written once.
 
 Beside each ``model_optim_rng.pt`` of a (TP, PP) rank, DP rank 0 writes (Megatron-Core
 ``DistributedOptimizer.save_parameter_state``, the "coalesced" form used since 2024)::
-
     {"buckets_coalesced": True,
      gbuf: {(param_dtype, grad_dtype): {"param": fp32 1-D, "exp_avg": fp32 1-D,
                                         "exp_avg_sq": fp32 1-D, "numel_unpadded": int}}}
@@ -43,9 +42,10 @@ from typing import Any, Callable, Hashable, Iterable
 import torch
 
 from ckptool.core.errors import UnreadableInput
-from ckptool.core.layout import WORD_EMBEDDINGS, LocalTensor, ModelSpec, layout as model_layout, stage_layers
+from ckptool.core.layout import WORD_EMBEDDINGS, LocalTensor, ModelSpec, stage_layers
+from ckptool.core.layout import layout as model_layout
 from ckptool.core.topology import Topology
-from converters.megatron_common import SCHEMAS, parameter_order
+from converters.schemas.megatron import SCHEMAS, parameter_order
 
 ALIGN = 64
 """Parameter starts are padded to this many elements from their bucket's start."""

@@ -18,7 +18,7 @@ model and each stage builds a contiguous run of them. ``save_checkpoint`` then w
   ``checkpoint_parallel_dimensions``. Megatron-DeepSpeed's client state adds ``args``,
   ``checkpoint_version`` (3.0), ``iteration``, ``tokens`` and ``rng_state``.
 * ``[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt``: that stage's flat param
-  groups cut by :func:`~converters.zero.zero_partition`, at ZeRO-1, or from
+  groups cut by :func:`~converters.deepspeed.zero.zero_partition`, at ZeRO-1, or from
   DeepSpeed's BF16_Optimizer, which a bf16 pipeline runs at stage 0 (its fp32 partitions
   keep the tail padding). DeepSpeed runs pipelines at ZeRO 0 or 1 only. Optimizer state
   that cannot be mapped leaves the weights readable and says why (``index.unmapped``).
@@ -31,7 +31,7 @@ transformer layers (``ParallelTransformerLayerPipe``, legacy local names), the f
 file) or ``LMHeadPipe`` (``lm_head.weight``). So the layer files are the legacy Megatron
 rank files cut per layer: each local name is put under its legacy prefix and mapped to
 canonical by the legacy schema and the TP layout rules, exactly as the ``megatron`` reader
-does (:mod:`converters.megatron_common`, :mod:`converters.megatron_ranks`).
+does (:mod:`converters.schemas.megatron`, :mod:`converters.schemas.megatron_ranks`).
 
 The last stage's copy of the tied embedding module is in its optimizer (its
 ``tied_modules.embed.*``): the word embeddings are a replica of the first stage's (their
@@ -45,20 +45,52 @@ from __future__ import annotations
 import argparse
 import copy
 import re
-from dataclasses import dataclass, field, replace
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ckptool.core.errors import BadCheckpoint, TopologyError, UnreadableInput, UsageError
-from ckptool.core.index import CheckpointIndex, ObjectInfo
-from ckptool.core.layout import WORD_EMBEDDINGS, split
-from ckptool.core.regions import Region
+import torch
+
+from ckptool.core import VERSION
+from ckptool.core.engine import TargetFile, TargetTensor
+from ckptool.core.errors import (
+    BadCheckpoint,
+    TopologyError,
+    UnreadableInput,
+    UsageError,
+)
+from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
+from ckptool.core.layout import WORD_EMBEDDINGS, check, split
+from ckptool.core.optimizer import state_key
+from ckptool.core.regions import Region, Shard
 from ckptool.core.topology import Topology
-from converters.megatron_common import normalize_args, params_by_key, spec_from_args, to_canonical
-from converters.megatron_optimizer import state_key
-from converters.megatron_ranks import add_piece, check_legacy_schema
-from converters.zero import (MOMENTS, OPTIM_FILE, PER_RANK, PIPELINE_KEY, Layout, add_region, ds_config_for,
-                             int_or_none, optim_states_tree, rank_files, round_robin, round_robin_undone,
-                             zero_partition, zero_stage)
+from ckptool.core.torchfile import Pending
+from ckptool.core.torchreader import save_target
+from converters.deepspeed.zero import (
+    MOMENTS,
+    OPTIM_FILE,
+    PER_RANK,
+    PIPELINE_KEY,
+    Layout,
+    add_region,
+    ds_config_for,
+    int_or_none,
+    optim_states_tree,
+    param_groups,
+    rank_files,
+    round_robin,
+    round_robin_undone,
+    zero_partition,
+    zero_stage,
+)
+from converters.schemas.megatron import TRACKER, params_by_key, to_canonical
+from converters.schemas.megatron_args import (
+    normalize_args,
+    spec_from_args,
+    target_spec,
+    update_args,
+)
+from converters.schemas.megatron_ranks import add_piece, check_legacy_schema
 
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 MP_FILE = "mp_rank_{:02d}_model_states.pt"
@@ -123,7 +155,7 @@ class PipeLayout:
     model_optimizer: bool = False
     """The model states hold the optimizer's state dict too (BF16_Optimizer at stage 0)."""
     optim: Any = None
-    """The optimizer files' non-tensor entries (:class:`converters.zero.Layout`)."""
+    """The optimizer files' non-tensor entries (:class:`converters.deepspeed.zero.Layout`)."""
 
     @property
     def tied_key(self) -> str:
@@ -265,7 +297,7 @@ def _read_optimizer(reader, store, index, ms_rel, rels, mp, layers: PipeLayers, 
     tp_rank, pp_rank = mp % topo.tp, mp // topo.tp
     ms = reader._load(store, ms_rel).obj
     source = store.display(ms_rel)
-    groups = [[(n, tuple(s)) for n, s in g.items()] for g in ms.get("param_shapes") or []]
+    groups = param_groups(ms)
     if not groups:  # BF16_Optimizer at stage 0 records no param_shapes: its slice mappings
         groups = _groups_from_mappings(reader, store, rels, layers, pp_rank, tp_rank, params,
                                        padded, topo, source)
@@ -325,7 +357,7 @@ def flat_regions(parts, start: int, stop: int, key: str) -> list[tuple[int, Regi
 
 def _optim_layout(reader, store, rel: str, record: PipeLayout, stage: int):
     """The non-tensor entries of model-parallel rank 0's first optimizer file, as the plain
-    DeepSpeed writer carries them (:class:`converters.zero.Layout`)."""
+    DeepSpeed writer carries them (:class:`converters.deepspeed.zero.Layout`)."""
     archive = reader._load(store, rel)
     osd = archive.obj.get("optimizer_state_dict") or {}
     base = osd.get("base_optimizer_state") or {}
@@ -456,7 +488,34 @@ def stage_bounds(layers: PipeLayers, pp: int) -> list[int]:
 # ------------------------------------------------------------------------ writing
 
 
-class PipelineWriter:
+@dataclass(frozen=True, slots=True)
+class LayerFile:
+    """``layer_XX-model_TT-model_states.pt``: one layer spec's tensors at one TP rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageModelFile:
+    """``mp_rank_MM_model_states.pt`` of stage ``pp``, TP rank ``tp`` (with DP rank 0's
+    optimizer state when the engine keeps it there: ``pads`` then set)."""
+
+    topo: Topology
+    tp: int
+    pp: int
+    stage: Any
+    pads: list[int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class StageOptimFile:
+    """A stage's ``zero_pp_rank_R_mp_rank_MM_optim_states.pt`` of DP rank ``rank``."""
+
+    topo: Topology
+    rank: int
+    stage: Any
+    pads: list[int]
+
+
+class PipelineWriter(Writer):
     """Writes a Megatron-DeepSpeed pipeline checkpoint (``<tag>/`` of layer files, model
     states per model-parallel rank and ZeRO-1 / BF16_Optimizer files per (DP, MP) rank) at
     a new TP, PP and DP, driven by :class:`converters.deepspeed.DeepSpeedWriter`.
@@ -466,7 +525,7 @@ class PipelineWriter:
     * Stage p builds the specs :func:`stage_bounds` gives it. Its parameters, in
       ``PipelineModule.named_parameters()`` order (the tied module, registered before the
       layers, then each spec's in state-dict order), go to the param group each parameter
-      was in at the source, and :func:`~converters.zero.zero_partition` cuts every
+      was in at the source, and :func:`~converters.deepspeed.zero.zero_partition` cuts every
       group. Both rules are checked against the source's own stages before anything is
       written.
     * A stage that builds the tied head (PP > 1) holds DeepSpeed's copy of the whole tied
@@ -480,6 +539,8 @@ class PipelineWriter:
       a topology change) and the partition bookkeeping of the optimizer files.
     """
 
+    name = "deepspeed"
+
     def __init__(self):
         self.spec = None
         self._params: dict = {}
@@ -488,8 +549,6 @@ class PipelineWriter:
     def target_spec(self, index: CheckpointIndex, source: Topology, target: Topology,
                     true_vocab_size: int | None):
         """Refuse an impossible target (naming the rule) before anything is written."""
-        from ckptool.core.layout import check
-        from converters.megatron_common import target_spec
 
         layout: PipeLayout = index.objects[PIPELINE_KEY].value
         if layout.optim is None:
@@ -542,9 +601,8 @@ class PipelineWriter:
             groups[group_of[canonical]].append(name)
         return groups
 
-    def plan(self, index: CheckpointIndex, topo: Topology, with_optimizer: bool) -> list:
-        from ckptool.core.engine import TargetFile, TargetTensor
-
+    def plan(self, index: CheckpointIndex, topo: Topology, spec=None, schema: str = "legacy",
+             with_optimizer: bool = True) -> list[TargetFile]:
         if not with_optimizer:
             raise UsageError("DeepSpeed ZeRO checkpoints keep the fp32 weights in the optimizer "
                              "files, so --drop-optimizer cannot apply", path=index.url,
@@ -555,7 +613,7 @@ class PipelineWriter:
         for idx, entries in sorted(layout.entries.items()):
             for t in range(topo.tp):
                 target = TargetFile(f"{tag}/layer_{idx:02d}-model_{t:02d}-model_states.pt",
-                                    context={"kind": "layer"})
+                                    context=LayerFile())
                 for local in entries:
                     canonical = to_canonical("legacy", layout.layers.legacy_name(idx, local),
                                              range(self.spec.num_layers), True)[0]
@@ -581,46 +639,35 @@ class PipelineWriter:
                 groups = [_flat_order([(n, placed[n][1].shape) for n in group], layout, topo.dp)
                           for group in names]
                 stage = replace(layout.optim, groups=groups)
-                ctx = {"kind": "model", "topo": topo, "tp": t, "pp": p, "stage": stage}
-                model = TargetFile(f"{tag}/{MP_FILE.format(mp)}", context=ctx)
-                if layout.model_optimizer:  # DP rank 0's optimizer state, as DeepSpeed keeps it there
-                    model.tensors, ctx["pads"] = _optim_tensors(stage, placed, topo.dp, 0, index, "model")
-                files.append(model)
+                tensors, pads = _optim_tensors(stage, placed, topo.dp, 0, index, "model") \
+                    if layout.model_optimizer else ([], None)  # DP rank 0's optimizer state, as DeepSpeed keeps it there
+                files.append(TargetFile(f"{tag}/{MP_FILE.format(mp)}", tensors,
+                                        StageModelFile(topo, t, p, stage, pads)))
                 prefix = "bf16_" if stage.bf16_files else ""
                 for rank in range(topo.dp):
                     tensors, pads = _optim_tensors(stage, placed, topo.dp, rank, index)
                     files.append(TargetFile(f"{tag}/{prefix}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt",
-                                            tensors, {"kind": "optim", "topo": topo, "rank": rank,
-                                                      "stage": stage, "pads": pads}))
+                                            tensors, StageOptimFile(topo, rank, stage, pads)))
         return files
 
     def write_file(self, store, target, produce, index: CheckpointIndex,
                    true_vocab_size: int | None) -> tuple[int, str]:
-        from collections import OrderedDict
-
-        from ckptool.core.torchfile import Pending
-        from ckptool.core.torchreader import save_target
 
         ctx = target.context
         pending = {t.name: Pending(t.name, t.shard.shape, t.dtype) for t in target.tensors}
-        if ctx["kind"] == "layer":
+        if isinstance(ctx, LayerFile):
             tree = OrderedDict((name[1], value) for name, value in pending.items())
-        elif ctx["kind"] == "model":
+        elif isinstance(ctx, StageModelFile):
             tree = self._model_states(index, ctx, pending, true_vocab_size)
         else:
-            tree = _optim_tree(ctx["stage"], ctx["topo"], ctx["rank"], ctx["pads"], pending)
+            tree = _optim_tree(ctx.stage, ctx.topo, ctx.rank, ctx.pads, pending)
         return save_target(store, target, tree, produce)
 
-    def _model_states(self, index, ctx, pending, true_vocab_size) -> dict:
-        from collections import OrderedDict
+    def _model_states(self, index, ctx: "StageModelFile", pending, true_vocab_size) -> dict:
 
-        import torch
-
-        from ckptool.core import VERSION
-        from converters.megatron_common import update_args
 
         layout: PipeLayout = index.objects[PIPELINE_KEY].value
-        topo, stage = ctx["topo"], ctx["stage"]
+        topo, stage = ctx.topo, ctx.stage
         tree = dict(layout.model_states)
         if tree.get("param_shapes") is not None:  # BF16_Optimizer records none
             tree["param_shapes"] = [OrderedDict((n, torch.Size(s)) for n, s in group)
@@ -634,20 +681,18 @@ class PipelineWriter:
         if "ds_config" in tree:
             tree["ds_config"] = _pipe_config(stage, topo)
         src = index.topology
-        rng = index.objects.get(f"rank.{ctx['tp'] % src.tp:02d}_{ctx['pp'] % src.pp:03d}.rng_state")
+        rng = index.objects.get(f"rank.{ctx.tp % src.tp:02d}_{ctx.pp % src.pp:03d}.rng_state")
         if rng is not None:
             tree["rng_state"] = copy.deepcopy(rng.value)
         else:
             tree.pop("rng_state", None)
         if layout.model_optimizer:
             own = {name[1:]: value for name, value in pending.items()}  # ("model", g, kind)
-            tree["optimizer"] = _optim_tree(stage, topo, 0, ctx["pads"], own)["optimizer_state_dict"]
+            tree["optimizer"] = _optim_tree(stage, topo, 0, ctx.pads, own)["optimizer_state_dict"]
         tree["ckptool"] = {"version": VERSION}
         return tree
 
     def finalize(self, store, index: CheckpointIndex) -> list[str]:
-        from converters.megatron_common import TRACKER
-
         store.write_bytes("latest", index.objects[PIPELINE_KEY].value.tag.encode())
         store.write_bytes(TRACKER, str(index.iteration or 0).encode())  # Megatron-DeepSpeed's tracker
         return ["latest", TRACKER]
@@ -691,10 +736,6 @@ def _optim_tensors(stage, placed: dict, dp: int, rank: int, index, prefix: str |
     BF16_Optimizer files), each parameter's slice cut into canonical regions by
     :func:`flat_regions`. Returns the tensors (named ``([prefix,] group, kind)``) and
     each group's padding."""
-    import torch
-
-    from ckptool.core.engine import TargetTensor
-    from ckptool.core.regions import Shard
 
     tensors, pads = [], []
     for g, group in enumerate(stage.groups):
@@ -736,8 +777,6 @@ def _pipe_config(stage, topo: Topology) -> dict:
 
 
 def _asdict(spec) -> dict:
-    from dataclasses import asdict
-
     return asdict(spec)
 
 

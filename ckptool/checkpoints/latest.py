@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import converters
-from ckptool.checkpoint import Candidate, candidates
+from ckptool.checkpoints.open import Candidate, candidates
+from ckptool.checkpoints.verify import verify
 from ckptool.core.errors import CkptoolError, NoCheckpoint
 from ckptool.core.manifest import read_manifest
 from ckptool.core.storage import Store
-from ckptool.ops.verify import verify
 
 
 @dataclass(frozen=True, slots=True)

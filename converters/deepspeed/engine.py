@@ -1,7 +1,7 @@
 """DeepSpeed checkpoints (plain engines: mp=1, no pipeline, no MoE), read and written.
 
 Pipeline checkpoints (Megatron-DeepSpeed's ``layer_*-model_*-model_states.pt``) are read
-by :mod:`converters.deepspeed_pipe`, dispatched from :meth:`DeepSpeedReader.read_index`.
+by :mod:`converters.deepspeed.pipe`, dispatched from :meth:`DeepSpeedReader.read_index`.
 
 A run root has ``latest`` (the tag) and ``<tag>/`` (default ``global_step{N}``) with:
 
@@ -15,7 +15,7 @@ A run root has ``latest`` (the tag) and ``<tag>/`` (default ``global_step{N}``) 
   ``dp_world_size`` is the only thing DeepSpeed checks against the job's DP size.
 * **optimizer states** ``[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt``, one per DP
   rank, holding that rank's partition of each param group
-  (:func:`~converters.zero.zero_partition`, :func:`~converters.zero.zero3_partition`) for
+  (:func:`~converters.deepspeed.zero.zero_partition`, :func:`~converters.deepspeed.zero.zero3_partition`) for
   the fp32 masters and the Adam moments, plus the torch optimizer's ``step`` and
   hyperparameters per group.
 
@@ -32,33 +32,64 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ckptool.core.engine import TargetFile, TargetTensor
-from ckptool.core.errors import BadCheckpoint, TopologyError, UnreadableInput, UsageError
+from ckptool.core.errors import (
+    BadCheckpoint,
+    TopologyError,
+    UnreadableInput,
+    UsageError,
+)
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
+from ckptool.core.optimizer import FRESH_STEP, decay_groups, no_decay, state_key
 from ckptool.core.regions import Region, Shard
 from ckptool.core.safe_pickle import record_class
 from ckptool.core.storage import Store, pointed_dir
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending, TensorRef
 from ckptool.core.torchreader import save_target
+
 # The pipeline variant of this format (layer files), dispatched from the reader and the writer:
 # the one format module imported here; it imports nothing from this one.
-from converters.deepspeed_pipe import PipelineWriter, is_pipeline, read_pipeline
-from converters.hf_schema import CONFIG, CONFIG_KEY, FAMILY_KEY, spec_from_config, tied_aliases
-from converters.megatron_optimizer import FRESH_STEP, state_key
-from converters.megatron_optimizer import groups as megatron_groups
-from converters.megatron_optimizer import no_decay
-from converters.zero import uncarried_state
-from converters.zero import (LAYOUT_KEY, MARK, MOMENTS, OPTIM_FILE, PER_RANK, PIPELINE_KEY,
-                             UNFUSED_MASTERS, UNFUSED_STATE, Layout, ZeroReader, add_region,
-                             alignment_paddings, check_sub_groups, int_or_none,
-                             model_states_tree, optim_states_tree, ordered_for, parameter_alignment,
-                             rank_files, source_state_key, zero3_partition, zero_partition, zero_stage)
+from converters.deepspeed.pipe import PipelineWriter, is_pipeline, read_pipeline
+from converters.deepspeed.zero import (
+    LAYOUT_KEY,
+    MARK,
+    MOMENTS,
+    OPTIM_FILE,
+    PER_RANK,
+    PIPELINE_KEY,
+    UNFUSED_MASTERS,
+    UNFUSED_STATE,
+    Layout,
+    ZeroReader,
+    add_region,
+    alignment_paddings,
+    check_sub_groups,
+    int_or_none,
+    model_states_tree,
+    optim_states_tree,
+    ordered_for,
+    param_groups,
+    parameter_alignment,
+    rank_files,
+    source_state_key,
+    uncarried_state,
+    zero3_partition,
+    zero_partition,
+    zero_stage,
+)
+from converters.schemas.hf import (
+    CONFIG,
+    CONFIG_KEY,
+    FAMILY_KEY,
+    spec_from_config,
+    tied_aliases,
+)
 
 NAME = "deepspeed"
 LATEST = "latest"
@@ -171,7 +202,7 @@ class DeepSpeedReader(ZeroReader):
         """The structure of the source and its non-tensor entries (rank 0's files)."""
         source = store.display(optim[0])
         ms = self._load(store, first).obj
-        groups = [[(n, tuple(s)) for n, s in g.items()] for g in ms.get("param_shapes") or []]
+        groups = param_groups(ms)
         if not groups:
             raise BadCheckpoint("model states have no param_shapes", path=store.display(tag))
         module = ms["module"]
@@ -438,7 +469,7 @@ def _unwrapped(optimizer) -> tuple[Any, dict | None]:
     """A stage-0 engine's ``optimizer`` entry: ``(the torch state dict, the
     FP16_UnfusedOptimizer state dict around it or None)``. An fp32 engine saves the client
     optimizer's state dict itself; a bf16/fp16 one (not a pipeline) saves FP16_UnfusedOptimizer's
-    (:data:`~converters.zero.UNFUSED_STATE`, :data:`~converters.zero.UNFUSED_MASTERS`)."""
+    (:data:`~converters.deepspeed.zero.UNFUSED_STATE`, :data:`~converters.deepspeed.zero.UNFUSED_MASTERS`)."""
     if isinstance(optimizer, dict) and UNFUSED_STATE in optimizer and UNFUSED_MASTERS in optimizer:
         return optimizer[UNFUSED_STATE], optimizer
     return optimizer, None
@@ -478,21 +509,39 @@ def _version(text) -> tuple[int, ...] | None:
 # ------------------------------------------------------------------------- writing
 
 
+@dataclass(frozen=True, slots=True)
+class ModelStatesFile:
+    """``[zero_pp_rank_R_]mp_rank_00_model_states.pt`` of DP rank ``rank``."""
+
+    rank: int
+    topo: Topology
+
+
+@dataclass(frozen=True, slots=True)
+class OptimStatesFile:
+    """``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``: DP rank ``rank``'s partitions, and
+    the tail padding of each param group's (``group_paddings``)."""
+
+    rank: int
+    topo: Topology
+    pads: list[int]
+
+
 class DeepSpeedWriter(Writer):
     """Writes a DeepSpeed run root (``latest`` + ``<tag>/``) from a DeepSpeed ZeRO source at
     a new DP size and any ZeRO stage 1-3 (stages 1 and 2 have files of the same shape; from
     or to 3, the fp32 masters are the weights and ZeRO-3's ``module`` keeps only buffers).
-    Every rank's partitions are laid out by the rules of :mod:`converters.zero`; the
+    Every rank's partitions are laid out by the rules of :mod:`converters.deepspeed.zero`; the
     non-tensor entries are the source's, with ``dp_world_size``, the stage and the partition
     bookkeeping rewritten.
-    A pipeline source (layer files) is written by :class:`~converters.deepspeed_pipe.PipelineWriter`
+    A pipeline source (layer files) is written by :class:`~converters.deepspeed.pipe.PipelineWriter`
     at any TP/PP/DP; the topology is checked once the source's kind is known (``target_spec``)."""
 
     name = NAME
     canonical_source = False  # an hf source keeps its names: they are the engine module's
     fresh_optimizer = True
     pipeline: PipelineWriter | None = None
-    """Set for a pipeline source: it writes the output (:mod:`converters.deepspeed_pipe`)."""
+    """Set for a pipeline source: it writes the output (:mod:`converters.deepspeed.pipe`)."""
     param_groups: str | None = None
     """hf source with --init-optimizer: ``decay`` (the default; weight decay / none for biases
     and 1-D parameters, as the HF Trainer and Megatron group them) or ``single`` (DeepSpeed's
@@ -522,7 +571,7 @@ class DeepSpeedWriter(Writer):
         if self.param_groups is not None and FRESH_STEP not in index.objects:
             raise UsageError("--param-groups applies to a fresh optimizer state (--init-optimizer "
                              "from an hf source); this output keeps the source's groups")
-        if index.format == "hf":
+        if _hf_model(index):
             self._source = _hf_layout(index, target, self.param_groups or "decay")
         else:
             self._check_topology(source, target)
@@ -534,7 +583,7 @@ class DeepSpeedWriter(Writer):
                                  f"or a Hugging Face model, not from {index.format}", path=index.url)
             self._source = index.objects[LAYOUT_KEY].value
         layout = self._source
-        if index.format != "hf" and 0 in (source.zero, target.zero) and layout.model_dtype == torch.float16:
+        if not _hf_model(index) and 0 in (source.zero, target.zero) and layout.model_dtype == torch.float16:
             raise TopologyError("an fp16 engine without ZeRO (FP16_Optimizer) is read but not written: "
                                 "DeepSpeed builds no fp16 engine on CPU, so ckptool has not checked "
                                 "such output against it", path=index.url,
@@ -546,7 +595,7 @@ class DeepSpeedWriter(Writer):
         return None
 
     def notes(self, index: CheckpointIndex) -> list[str]:
-        if self.pipeline is not None or index.format != "hf":
+        if self.pipeline is not None or not _hf_model(index):
             return []
         if FRESH_STEP not in index.objects:
             return ["model weights only (no optimizer state was asked for): load with "
@@ -570,7 +619,7 @@ class DeepSpeedWriter(Writer):
     def plan(self, index: CheckpointIndex, topo: Topology, spec, schema: str,
              with_optimizer: bool = True) -> list[TargetFile]:
         if self.pipeline is not None:
-            return self.pipeline.plan(index, topo, with_optimizer)
+            return self.pipeline.plan(index, topo, spec, schema, with_optimizer)
         if not with_optimizer and topo.zero:
             raise UsageError("DeepSpeed ZeRO checkpoints keep the fp32 weights in the optimizer "
                              "files, so --drop-optimizer cannot apply", path=index.url,
@@ -597,7 +646,7 @@ class DeepSpeedWriter(Writer):
         torch optimizer's state dict; an fp32 engine's trainable weights are the fp32 masters,
         a bf16 engine's are in its dtype (a ZeRO-3 source's masters rounded as DeepSpeed
         rounds them) and the masters go with the optimizer (FP16_UnfusedOptimizer)."""
-        target = TargetFile(path, context={"kind": "model", "rank": rank, "topo": topo})
+        target = TargetFile(path, context=ModelStatesFile(rank, topo))
         masters = topo.zero == 0 and layout.model_dtype not in (None, torch.float32)
         for name, shape, dtype in layout.module:
             if topo.zero == 3 and name in layout.params or name in layout.shared:
@@ -624,14 +673,14 @@ class DeepSpeedWriter(Writer):
 
     def _optim_file(self, path, index, layout: Layout, topo: Topology, rank: int) -> TargetFile:
         """One rank's partition of every group: the two moments and the fp32 masters."""
-        target = TargetFile(path, context={"kind": "optim", "rank": rank, "topo": topo, "pads": []})
+        target = TargetFile(path, context=OptimStatesFile(rank, topo, []))
         for g, group in enumerate(layout.groups):
             if topo.zero == 3:
                 shard, pad, fp32_len = zero3_partition(group, topo.dp, rank), 0, None
             else:
                 shard, pad = zero_partition(group, topo.dp, rank, align=layout.align)
                 fp32_len = shard.shape[0] - (0 if layout.bf16_optimizer else pad)
-            target.context["pads"].append(pad)
+            target.context.pads.append(pad)
             for kind in (*MOMENTS, "fp32_param"):
                 parts = tuple((o, replace(r, key=source_state_key(index, kind, r.key)))
                               for o, r in shard.parts)
@@ -647,8 +696,8 @@ class DeepSpeedWriter(Writer):
         layout = self._target
         ctx = target.context
         pending = {t.name: Pending(t.name, t.shard.shape, t.dtype) for t in target.tensors}
-        tree = model_states_tree(layout, ctx["topo"], ctx["rank"], pending) if ctx["kind"] == "model" \
-            else optim_states_tree(layout, ctx["topo"], ctx["rank"], ctx["pads"], pending)
+        tree = model_states_tree(layout, ctx.topo, ctx.rank, pending) if isinstance(ctx, ModelStatesFile) \
+            else optim_states_tree(layout, ctx.topo, ctx.rank, ctx.pads, pending)
         return save_target(store, target, tree, produce)
 
     def bind(self, opened) -> None:
@@ -660,13 +709,19 @@ class DeepSpeedWriter(Writer):
         store.write_bytes(LATEST, self._source.tag.encode())
         # config.json beside `latest`, as the HF Trainer lays it out: what names the module's
         # schema (an hf source's, or the one a DeepSpeed source carries) goes with it
-        if index.format == "hf":
+        if _hf_model(index):
             store.write_bytes(CONFIG, json.dumps(index.objects[CONFIG_KEY].value, indent=2).encode())
         elif self._source_store is not None and self._source_store.exists(CONFIG):
             store.write_bytes(CONFIG, self._source_store.read_bytes(CONFIG))
         else:
             return [LATEST]
         return [LATEST, CONFIG]
+
+
+def _hf_model(index: CheckpointIndex) -> bool:
+    """The source is a model alone, under a Hugging Face model's names (an hf checkpoint's
+    native view): no engine layout, a config.json. It becomes a fresh engine's module."""
+    return LAYOUT_KEY not in index.objects and CONFIG_KEY in index.objects
 
 
 FRESH_DS_VERSION = "0.16.0"
@@ -702,7 +757,7 @@ def _hf_layout(index: CheckpointIndex, target: Topology, param_groups: str) -> L
     if param_groups == "single":
         groups = [[(n, s) for n, s, _ in params]]
     else:
-        groups = [g for g in megatron_groups([(n, len(s)) for n, s, _ in params]) if g]
+        groups = [g for g in decay_groups([(n, len(s)) for n, s, _ in params]) if g]
         groups = [[(n, owners[n][0]) for n in g] for g in groups]
     dtypes = {d for _, _, d in params}
     bf16 = dtypes == {torch.bfloat16}

@@ -6,7 +6,7 @@ beside the ``iter_*``/``release`` directories. At PP=1 the rank directories have
 topology), ``iteration``, ``checkpoint_version``, ``model`` (or ``model0``, ``model1``...
 per virtual pipeline chunk), ``optimizer``, ``opt_param_scheduler`` and ``rng_state``.
 
-Tensor names follow one of three schemas (see :mod:`converters.megatron_common`):
+Tensor names follow one of three schemas (see :mod:`converters.schemas.megatron`):
 Megatron-Core with Transformer Engine, Megatron-Core local spec, or pre-mcore legacy
 (Megatron-DeepSpeed). Each rank's layers are numbered from 0; the global index and every
 split come from the layout rules in :mod:`ckptool.core.layout`.
@@ -27,22 +27,37 @@ from typing import Any
 import torch
 
 from ckptool.core import VERSION
+from ckptool.core import optimizer as canon
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
 from ckptool.core.layout import ModelSpec, stage_layers
 from ckptool.core.regions import Shard
-from ckptool.core.torchreader import TorchFileReader, save_target
-from ckptool.core.torchfile import Pending
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
-from converters import megatron_distopt as distopt
-from converters import megatron_optimizer as optim
-from converters.megatron_common import (ITER_DIR, SCHEMAS, TRACKER, detect_schema, iteration_dir,
-                                        parameter_order, params_by_key, source_dtype, spec_from_args, to_canonical,
-                                        tracked_dir, update_args, UnevenStages)
-from converters.megatron_ranks import add_piece as _add_piece
-from converters.megatron_ranks import check_legacy_schema as _check_schema
+from ckptool.core.torchfile import Pending
+from ckptool.core.torchreader import TorchFileReader, save_target
+from converters.megatron import distopt
+from converters.megatron import optimizer as optim
+from converters.schemas.megatron import (
+    ITER_DIR,
+    SCHEMAS,
+    TRACKER,
+    detect_schema,
+    iteration_dir,
+    parameter_order,
+    params_by_key,
+    to_canonical,
+    tracked_dir,
+)
+from converters.schemas.megatron_args import (
+    UnevenStages,
+    source_dtype,
+    spec_from_args,
+    update_args,
+)
+from converters.schemas.megatron_ranks import add_piece as _add_piece
+from converters.schemas.megatron_ranks import check_legacy_schema as _check_schema
 
 EXTRA = "_extra_state"
 SCHEMA_KEY = "megatron.schema"
@@ -180,7 +195,7 @@ class MegatronReader(TorchFileReader):
             index.unmapped = index.objects[OPTIMIZER_KEY].value
             index.objects.pop(OPTIMIZER_LAYOUT_KEY, None)
             index.objects.pop(DISTOPT_KEY, None)
-            for key in [k for k in index.tensors if k.startswith(optim.PREFIX)]:
+            for key in [k for k in index.tensors if k.startswith(canon.PREFIX)]:
                 del index.tensors[key]
         for key, info in index.tensors.items():
             if not info.pieces:
@@ -211,7 +226,7 @@ class MegatronReader(TorchFileReader):
             for kind, path in paths.items():
                 ref = _resolve(data, path)
                 _add_piece(index, params, canonical, replica, f, path, ref, padded, topo, store,
-                           key=optim.state_key(kind, canonical))
+                           key=canon.state_key(kind, canonical))
         saved = index.objects.get(OPTIMIZER_LAYOUT_KEY)
         meta = optim.Layout(layout_.fp16, {}, layout_.step, layout_.hyper,
                             self._load(store, f.rel).materialize(layout_.extra))
@@ -249,7 +264,7 @@ class MegatronReader(TorchFileReader):
                 for kind, file_key in distopt.FILE_KEYS.items():
                     path = (i, key, file_key)
                     _add_piece(index, params, canonical, replica, f, path, _resolve(archive.obj, path),
-                               padded, topo, store, key=optim.state_key(kind, canonical),
+                               padded, topo, store, key=canon.state_key(kind, canonical),
                                file=rel, base=offset)
         meta = distopt.Meta({k[0]: k for k in keys}, self._load(store, f.rel).materialize(state))
         saved = index.objects.get(DISTOPT_KEY)
@@ -348,6 +363,30 @@ def _unflatten(flat: dict[str, Any], nested: bool) -> dict:
 # ----------------------------------------------------------------------------- writing
 
 
+@dataclass(frozen=True, slots=True)
+class RankFile:
+    """``mp_rank_TT[_PPP]/model_optim_rng.pt`` of TP rank ``tp``, stage ``pp``: its chunks under
+    ``schema``'s names and what else it holds (the optimizer of the rank's parameters,
+    a DeepSpeed source's scheduler, a distributed optimizer's ``optimizer`` entry)."""
+
+    tp: int
+    pp: int
+    schema: str
+    spec: ModelSpec
+    topo: Topology
+    optimizer: Any
+    scheduler: Any
+    distopt_state: Any
+
+
+@dataclass(frozen=True, slots=True)
+class DistoptFile:
+    """``distrib_optim.pt`` of one rank: its buffers, keyed as the source keys them."""
+
+    buffers: list
+    keys: Any
+
+
 class MegatronWriter(UnevenStages, Writer):
     """Writes a legacy Megatron run root: tracker + ``iter_*/mp_rank_*/model_optim_rng.pt``."""
 
@@ -368,7 +407,7 @@ class MegatronWriter(UnevenStages, Writer):
         if not any(k.endswith(".rng_state") for k in index.objects):
             notes.append("the source has no RNG state, so none is written: resume with Megatron's "
                          "--no-load-rng")
-        if not any(k.startswith(optim.PREFIX) for k in index.tensors) and not index.unmapped:
+        if not any(k.startswith(canon.PREFIX) for k in index.tensors) and not index.unmapped:
             notes.append("the source holds no optimizer state, so none is written: start Megatron "
                          "with --no-load-optim (or --finetune); ckptool never invents one")
         return notes
@@ -394,19 +433,16 @@ class MegatronWriter(UnevenStages, Writer):
         for rank in distopt.rank_params(spec, topo, schema, dtype_of):
             rank_path = f"{it_dir}/{rank_dir(rank.tp, rank.pp, topo.pp)}"
             target = TargetFile(f"{rank_path}/{FILE}",
-                                context={"tp": rank.tp, "pp": rank.pp, "schema": schema,
-                                         "spec": spec, "topo": topo,
-                                         "optimizer": optim_layout,
-                                         "scheduler": self._from_deepspeed.scheduler
-                                         if self._from_deepspeed else None,
-                                         "distopt_state": distributed.value.state if distributed
-                                         else None})
+                                context=RankFile(
+                                    rank.tp, rank.pp, schema, spec, topo, optim_layout,
+                                    self._from_deepspeed.scheduler if self._from_deepspeed else None,
+                                    distributed.value.state if distributed else None))
             named = rank.named()
             for chunk, name, t in named:
                 chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
                 if optim.master_is_weight(index, optim_layout, _key(t)):
                     target.tensors.append(TargetTensor((chunk_key, name),
-                                                       optim.state_shard("fp32_param", t.shard),
+                                                       canon.state_shard("fp32_param", t.shard),
                                                        torch.float32))
                     continue
                 target.tensors.append(TargetTensor((chunk_key, name), t.shard, source_dtype(index, _key(t))))
@@ -417,9 +453,9 @@ class MegatronWriter(UnevenStages, Writer):
                 for chunk, name, t in named:
                     chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
                     for kind in optim.state_kinds(optim_layout):
-                        key = optim.state_key(kind, _key(t))
+                        key = canon.state_key(kind, _key(t))
                         target.tensors.append(TargetTensor((OPTIM_PATH, kind, chunk_key, name),
-                                                           optim.state_shard(kind, t.shard),
+                                                           canon.state_shard(kind, t.shard),
                                                            source_dtype(index, key)))
             files.append(target)
         return files
@@ -448,10 +484,10 @@ class MegatronWriter(UnevenStages, Writer):
                 f"{getattr(args, 'overlap_grad_reduce', None)}, ddp_bucket_size="
                 f"{getattr(args, 'ddp_bucket_size', None)}, DP{topo.dp}): resume with the same "
                 "settings, Megatron checks only the total size")
-        target = TargetFile(path, context={"distopt": buffers, "keys": meta.keys})
+        target = TargetFile(path, context=DistoptFile(buffers, meta.keys))
         for i, buffer in enumerate(buffers):
             for kind, file_key in distopt.FILE_KEYS.items():
-                parts = sorted(((offset + off, replace(r, key=optim.state_key(kind, r.key)))
+                parts = sorted(((offset + off, replace(r, key=canon.state_key(kind, r.key)))
                                 for uname, offset in buffer.offsets.items()
                                 for off, r in rank.tensors[uname].shard.parts), key=lambda x: x[0])
                 target.tensors.append(TargetTensor((DISTOPT_PATH, i, file_key),
@@ -463,15 +499,15 @@ class MegatronWriter(UnevenStages, Writer):
                    true_vocab_size: int | None) -> tuple[int, str]:
         """Stream one rank file: ``produce(target_tensor)`` fills each tensor as it is written."""
         ctx = target.context
-        if "distopt" in ctx:
+        if isinstance(ctx, DistoptFile):
             shapes = {t.name: t.shard.shape for t in target.tensors}
 
             def vector(i, key):
                 name = (DISTOPT_PATH, i, key)
                 return Pending(name, shapes[name], torch.float32)
 
-            return save_target(store, target, distopt.build(ctx["distopt"], ctx["keys"], vector), produce)
-        topo, spec, schema = ctx["topo"], ctx["spec"], ctx["schema"]
+            return save_target(store, target, distopt.build(ctx.buffers, ctx.keys, vector), produce)
+        topo, spec, schema = ctx.topo, ctx.spec, ctx.schema
         pending = {t.name: t for t in target.tensors}
         chunks: dict[str, dict] = {}
         for t in target.tensors:
@@ -482,24 +518,24 @@ class MegatronWriter(UnevenStages, Writer):
         for key in CARRIED:
             if key in index.objects:
                 state[key] = copy.deepcopy(index.objects[key].value)
-        if ctx["scheduler"] is not None:
-            state[optim.SCHEDULER_KEY] = copy.deepcopy(ctx["scheduler"])
+        if ctx.scheduler is not None:
+            state[optim.SCHEDULER_KEY] = copy.deepcopy(ctx.scheduler)
         state.setdefault("checkpoint_version", 3.0)
         state.setdefault("iteration", index.iteration or 0)
         args = index.objects.get("args")
         state["args"] = update_args(args.value if args else None, spec, topo, true_vocab_size, index)
-        rng = _pick_rng(index, ctx["tp"], ctx["pp"])
+        rng = _pick_rng(index, ctx.tp, ctx.pp)
         if rng is not None:
             state["rng_state"] = rng
-        stages = stage_layers(spec, topo.pp, topo.vpp)[ctx["pp"]]
+        stages = stage_layers(spec, topo.pp, topo.vpp)[ctx.pp]
         for c, chunk_layers in enumerate(stages):
             chunk_key = "model" if topo.vpp == 1 else f"model{c}"
             flat = dict(chunks.get(chunk_key, {}))
             if not SCHEMAS[schema].nested:
-                flat.update(_extra_states(index, chunk_layers, ctx["pp"] == 0 and c == 0,
-                                          ctx["pp"] == topo.pp - 1 and c == len(stages) - 1))
+                flat.update(_extra_states(index, chunk_layers, ctx.pp == 0 and c == 0,
+                                          ctx.pp == topo.pp - 1 and c == len(stages) - 1))
             state[chunk_key] = _unflatten(flat, nested=SCHEMAS[schema].nested)
-        if ctx["optimizer"] is not None:
+        if ctx.optimizer is not None:
             params = [(f"{c}/{n}", len(p.shape)) for c, entries in chunks.items() for n, p in entries.items()
                       if isinstance(p, Pending)]
 
@@ -508,9 +544,9 @@ class MegatronWriter(UnevenStages, Writer):
                 t = pending[(OPTIM_PATH, kind, chunk_key, name)]
                 return Pending(t.name, t.shard.shape, t.dtype)
 
-            state["optimizer"] = optim.build(params, ctx["optimizer"], placeholder)
-        if ctx["distopt_state"] is not None:
-            state["optimizer"] = copy.deepcopy(ctx["distopt_state"])
+            state["optimizer"] = optim.build(params, ctx.optimizer, placeholder)
+        if ctx.distopt_state is not None:
+            state["optimizer"] = copy.deepcopy(ctx.distopt_state)
         state[MARK] = {"version": VERSION}
         return save_target(store, target, state, produce)
 

@@ -1,0 +1,144 @@
+"""Writing a planned rewrite: this rank's share of the target files, filled by the engine,
+then the commit on rank 0 (the writer's finalize, the manifest, the atomic rename).
+
+A re-run of the same job (:func:`ckptool.ops.journal.resume_key`) keeps the files an
+interrupted run finished. Bad input aborts the output; any other failure (interrupted,
+storage error) leaves it for a re-run.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Mapping
+
+from ckptool.checkpoints.open import Opened, require_safe_pickles
+from ckptool.core.engine import Producer, ScratchPool, TargetFile
+from ckptool.core.errors import CkptoolError
+from ckptool.core.index import Writer
+from ckptool.core.layout import ModelSpec
+from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifest
+from ckptool.core.storage import Store, atomic_output
+from ckptool.core.topology import Topology
+from ckptool.ops import journal
+from ckptool.ops.group import Group
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteJob:
+    """A planned rewrite, ready to write."""
+
+    opened: Opened
+    dst: str
+    fmt: str
+    writer: Writer
+    plan: list[TargetFile]
+    spec: ModelSpec | None
+    target: Topology
+    weights_only: bool
+    format_options: Mapping[str, Any]
+    names: str | None
+    true_vocab_size: int | None
+    overwrite: bool
+    workers: int
+    fsync: bool
+
+
+def write_output(job: WriteJob, result, progress: Callable[[int], object] | None = None
+                 ) -> tuple[str, int]:
+    """Write ``job`` (under torchrun, this rank's share) and commit it on rank 0; returns the
+    destination's URL and how many files an interrupted run had finished."""
+    group = Group.from_env()
+    try:
+        return _write(job, group, result, progress)
+    finally:
+        group.close()
+
+
+def _write(job: WriteJob, group: Group, result, progress) -> tuple[str, int]:
+    opened, writer, index = job.opened, job.writer, job.opened.index
+    key = journal.resume_key(opened, job.fmt, result, job.format_options, job.weights_only,
+                             job.names, job.true_vocab_size)
+    out = group.on_rank0(lambda: atomic_output(job.dst, overwrite=job.overwrite, resume_key=key,
+                                               durable=job.fsync))
+    store = replace(Store.open(out.store.url), durable=job.fsync) if group.rank else out.store
+    try:
+        done = journal.finished(store)
+        produce = _producer(opened, job.plan)
+        vocab = job.true_vocab_size or index.true_vocab_size
+
+        def write_one(target: TargetFile) -> tuple[FileEntry, bool]:
+            entry = journal.reusable(store, target, done)
+            kept = entry is not None
+            if kept:
+                record = done[target.path][1]
+                if record is not None:
+                    with journal.LOCK:
+                        writer.absorb({target.path: record})
+            else:
+                try:
+                    size, digest = writer.write_file(store, target, produce, index, vocab)
+                finally:
+                    produce.file_done()
+                entry = FileEntry(target.path, size, digest)
+                journal.record(store, group.rank, entry, writer.records().get(target.path))
+            if progress:
+                progress(target.nbytes)
+            return entry, kept
+
+        mine = job.plan[group.rank::group.world]
+        error = None
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, job.workers)) as pool:
+                written = list(pool.map(write_one, mine))
+        except BaseException as exc:  # noqa: BLE001 - every rank must reach the gather
+            written, error = None, exc
+        entries, reused = group.gather_entries(written, error)
+        group.gather_records(writer)
+        if group.rank:
+            group.wait_commit()
+            return job.dst, reused
+        _commit(job, group, out, store, entries)
+    except CkptoolError:
+        if group.rank == 0:
+            out.abort()  # bad input: nothing worth resuming
+        raise
+    return out.final.url, reused
+
+
+def _producer(opened: Opened, plan: list[TargetFile]) -> Producer:
+    def read_box(piece, dtype, box, out_view):
+        opened.reader.read_box_into(opened.store, piece, dtype, box, out_view)
+
+    def span_of(piece, dtype, box):
+        return opened.reader.file_span(opened.store, piece, dtype, box)
+
+    largest = max((math.prod(t.shard.shape) * t.dtype.itemsize for f in plan for t in f.tensors),
+                  default=0)
+    pool = ScratchPool(max(2 * largest, 256 << 20))  # two of the largest in flight at most
+    return Producer(opened.index, read_box, span_of, pool)
+
+
+def _commit(job: WriteJob, group: Group, out, store: Store, entries: list[FileEntry]) -> None:
+    """Rank 0: the writer's last files, the manifest, the atomic commit; every rank learns
+    whether it worked."""
+    index = job.opened.index
+    status = None
+    try:
+        require_safe_pickles(job.opened)  # files first read while writing were checked too
+        extra = job.writer.finalize(store, index)
+        for rel, (size, digest) in hash_files(store, extra).items():
+            entries.append(FileEntry(rel, size, digest))
+        manifest = Manifest(format=job.fmt, files=sorted(entries, key=lambda e: e.path),
+                            topology=job.target.to_dict(),
+                            model_config=asdict(job.spec) if job.spec is not None else index.model_config,
+                            true_vocab_size=job.true_vocab_size or index.true_vocab_size,
+                            iteration=index.iteration, format_version=index.format_version)
+        journal.clear(store)
+        out.commit(lambda s_: write_manifest(s_, manifest))
+    except BaseException as exc:
+        status = f"rank 0 could not commit: {exc}"
+        raise
+    finally:
+        group.commit_done(status)

@@ -1,0 +1,156 @@
+"""What Megatron-Core's ``torch_dist`` and ``zarr`` checkpoints share: ``metadata.json``,
+``common.pt`` (args, iteration, the optimizer's common state), stacked layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from ckptool.core.errors import BadCheckpoint, UnreadableInput
+from ckptool.core.index import (
+    CheckpointIndex,
+    Location,
+    ObjectInfo,
+    Piece,
+    Reader,
+    TensorInfo,
+)
+from ckptool.core.regions import Region
+from ckptool.core.storage import Store
+from converters.megatron import optimizer as optim
+from converters.schemas.megatron import tracked_dir
+from converters.schemas.megatron_args import spec_from_args
+
+METADATA_JSON = "metadata.json"
+COMMON = "common.pt"
+STACKED = "decoder.layers."
+STACK_TAG = "stacked-layer"
+"""First item of the location detail of a per-layer piece cut from a stacked chunk:
+``(STACK_TAG, layer within the chunk, the chunk's region, the chunk's own detail)``."""
+OPTIMIZER = "optimizer"
+OPTIMIZER_COMMON = "megatron.optimizer.common"
+"""A common.pt optimizer entry ckptool cannot map (shown by inspect, not carried)."""
+CANONICAL_COMMON = ("args", "iteration", "checkpoint_version", "opt_param_scheduler",
+                    "num_floating_point_operations_so_far")
+"""common.pt entries that mean the same as the legacy rank files' keys of the same name."""
+
+
+def metadata(store: Store, rel: str = "") -> dict | None:
+    """``metadata.json`` of the checkpoint in ``rel``, or None when there is none."""
+    path = f"{rel}/{METADATA_JSON}" if rel else METADATA_JSON
+    if not store.exists(path):
+        return None
+    try:
+        meta = json.loads(store.read_bytes(path))
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) and "sharded_backend" in meta else None
+
+
+def checkpoint_dir(store: Store) -> str:
+    """The directory (relative) holding metadata.json: the store itself or the tracked one."""
+    if metadata(store) is not None:
+        return ""
+    tracked = tracked_dir(store)
+    if tracked is not None and metadata(store, tracked) is not None:
+        return tracked
+    raise BadCheckpoint("no Megatron-Core metadata.json found", path=store.url)
+
+
+def is_stacked(key: str) -> bool:
+    """``decoder.layers.<name>`` (all layers on a leading axis), not ``decoder.layers.3.<name>``."""
+    if STACKED not in key:
+        return False
+    rest = key.split(STACKED, 1)[1]
+    return not rest.split(".", 1)[0].isdigit()
+
+
+def split_layers(index: CheckpointIndex, key: str, info: TensorInfo, pieces: list[Piece]) -> None:
+    """A stacked ``[L, ...]`` tensor becomes L per-layer tensors; each chunk, per-layer pieces."""
+    head, rest = key.split(STACKED, 1)
+    shape = info.shape[1:]
+    for l in range(info.shape[0]):
+        name = f"{head}{STACKED}{l}.{rest}"
+        index.tensors[name] = TensorInfo(name, shape, info.dtype)
+    for p in pieces:
+        l0, n = p.region.offsets[0], p.region.lengths[0]
+        if p.region.flat is not None:
+            raise BadCheckpoint("flat-sharded stacked tensors are not supported", key=key)
+        for i in range(n):
+            name = f"{head}{STACKED}{l0 + i}.{rest}"
+            region = Region(name, shape, p.region.offsets[1:], p.region.lengths[1:])
+            loc = Location(p.location.file, p.location.offset, p.location.length,
+                           (STACK_TAG, i, p.region, p.location.detail))
+            index.tensors[name].pieces.append(Piece(region, loc))
+
+
+def read_common(reader: Reader, store: Store, rel: str, index: CheckpointIndex,
+                distributed=None) -> None:
+    """``common.pt`` (the same in both backends) into ``index``: ``args`` -> topology and
+    model, the canonical entries, the rest as ``common.*`` objects; then the optimizer.
+
+    Call it after the tensors are indexed: the non-distributed optimizer's step and param
+    groups (common.pt's ``optimizer``) become the :data:`optim.LAYOUT_KEY` object only when
+    the ``optimizer.*`` tensors are exactly its model-shaped state; otherwise
+    ``index.unmapped`` says why, and every writer refuses the state unless it is dropped.
+    A distributed optimizer's entry (it says ``param_state_sharding_type``) goes to
+    ``distributed(entry, index, source)``, when the backend maps one, which turns the
+    ``optimizer.*`` tensors into the same canonical state (every parameter with an fp32
+    master) or raises UnreadableInput with the reason.
+    """
+    source = store.display(rel)
+    if not store.exists(rel):
+        raise BadCheckpoint("common.pt is missing", path=source)
+    archive = reader.open_archive(store, rel)
+    common = archive.materialize(archive.obj)
+    index.files[rel] = 1
+    if isinstance(common, dict):
+        _read_common_entries(common, index, source)
+        if OPTIMIZER in common:  # after args: a distributed optimizer's layout needs them
+            _read_optimizer(common[OPTIMIZER], index, source, distributed)
+    layout_ = index.objects.get(optim.LAYOUT_KEY)
+    if optim.DISTRIBUTED_KEY in index.objects:
+        layout_ = ObjectInfo(optim.LAYOUT_KEY, value=_EVERY_KIND)
+    if index.unmapped is None:
+        index.unmapped = optim.check_tensors(index, layout_.value if layout_ else None, source)
+    if index.unmapped is not None:
+        index.objects.pop(optim.LAYOUT_KEY, None)
+        index.objects.pop(optim.DISTRIBUTED_KEY, None)
+
+
+_EVERY_KIND = optim.Layout(True, {}, None, [], {})
+"""For checking a distributed optimizer's tensors: it keeps an fp32 master of every
+parameter (whatever the parameter's dtype), as a 16-bit Float16 optimizer does."""
+
+
+def _read_common_entries(common: dict, index: CheckpointIndex, source: str) -> None:
+    for key, value in common.items():
+        if key == OPTIMIZER:
+            continue
+        name = key if key in CANONICAL_COMMON else f"common.{key}"
+        index.objects[name] = ObjectInfo(key, value=value)
+    if isinstance(common.get("iteration"), int):
+        index.iteration = common["iteration"]
+    args = common.get("args")
+    if isinstance(args, argparse.Namespace):
+        spec, topo, known = spec_from_args(args)
+        index.topology, index.model_config = topo, asdict(spec)
+        index.true_vocab_size = spec.vocab_size if known else None
+
+
+def _read_optimizer(value, index: CheckpointIndex, source: str, distributed=None) -> None:
+    """The optimizer's step, param groups and grad scaler: the same canonical object
+    as the legacy reader's; or, when they cannot be mapped, the reason (kept raw under
+    ``OPTIMIZER_COMMON`` for inspect, never written back)."""
+    try:
+        if distributed is not None and isinstance(value, dict) and \
+                "param_state_sharding_type" in value:
+            distributed(value, index, source)
+            return
+        index.objects[optim.LAYOUT_KEY] = ObjectInfo(
+            optim.LAYOUT_KEY, value=optim.read_sharded_common(value, source))
+    except UnreadableInput as exc:
+        index.unmapped = exc.message
+        index.objects[OPTIMIZER_COMMON] = ObjectInfo(OPTIMIZER, value=value)

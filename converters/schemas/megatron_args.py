@@ -1,0 +1,300 @@
+"""Megatron ``args`` and the model they describe: ``args`` -> :class:`ModelSpec` and back
+(:func:`spec_from_args`, :func:`update_args`), the retargeting of a spec for a new TP
+(vocabulary padding, uneven pipelines), and the math-affecting args that an output which
+does not keep them must refuse (:data:`MATH_ARGS`). Shared by the Megatron formats and
+Megatron-DeepSpeed pipeline files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+from dataclasses import replace
+
+from ckptool.core.errors import UnreadableInput, UsageError
+from ckptool.core.index import CheckpointIndex
+from ckptool.core.layout import ModelSpec, padded_vocab
+from ckptool.core.topology import Topology
+
+# ------------------------------------------------------------------------------- args
+
+
+def _get(args, name, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def normalize_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Megatron-DeepSpeed's args under Megatron-LM's spellings, which the layout rules read
+    (Megatron-LM's own args pass unchanged): ``normalization`` ``layernorm``/``rmsnorm`` ->
+    ``LayerNorm``/``RMSNorm``, ``add_position_embedding`` / ``use_rotary_position_embeddings``
+    -> ``position_embedding_type``, ``num_key_value_heads`` -> ``num_query_groups``."""
+    out = copy.copy(args)
+    norm = str(getattr(args, "normalization", "") or "")
+    out.normalization = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(norm.lower(), norm or "LayerNorm")
+    if not hasattr(args, "position_embedding_type"):
+        rotary = getattr(args, "use_rotary_position_embeddings", False)
+        learned = getattr(args, "add_position_embedding", True) and not rotary
+        out.position_embedding_type = "learned_absolute" if learned else ("rope" if rotary else "none")
+    kv = getattr(args, "num_key_value_heads", None)
+    if kv and not getattr(args, "group_query_attention", False) and \
+            kv != getattr(args, "num_attention_heads", kv):
+        out.group_query_attention, out.num_query_groups = True, int(kv)
+    return out
+
+
+def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
+                   ) -> tuple[ModelSpec, Topology, bool]:
+    """The model and topology Megatron ``args`` describe, and whether the true vocab is known."""
+    args = normalize_args(args)
+    try:
+        layers = int(args.num_layers)
+        hidden = int(args.hidden_size)
+        heads = int(args.num_attention_heads)
+        padded = int(args.padded_vocab_size)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise UnreadableInput(f"Megatron args lack a model field ({exc})",
+                              hint="Pass --model-config with the model's args") from None
+    true_vocab = true_vocab_size or _get(args, "ckptool_true_vocab_size") or \
+        (_get(args, "vocab_size") if isinstance(_get(args, "vocab_size"), int) else None)
+    tp = int(_get(args, "tensor_model_parallel_size", 1))
+    pp = int(_get(args, "pipeline_model_parallel_size", 1))
+    vpp = _get(args, "virtual_pipeline_model_parallel_size")
+    if vpp is None and _get(args, "num_layers_per_virtual_pipeline_stage"):
+        vpp = layers // pp // int(args.num_layers_per_virtual_pipeline_stage)
+    pos = str(_get(args, "position_embedding_type", "learned_absolute"))
+    spec = ModelSpec(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        vocab_size=int(true_vocab or padded), vocab_rows=padded,
+        num_query_groups=int(args.num_query_groups) if _get(args, "group_query_attention", False)
+        and _get(args, "num_query_groups") else None,
+        ffn_hidden_size=_get(args, "ffn_hidden_size"), kv_channels=_get(args, "kv_channels"),
+        make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", 128)),
+        swiglu=bool(_get(args, "swiglu", False)),
+        tied_embeddings=not bool(_get(args, "untie_embeddings_and_output_weights", False)),
+        add_bias=bool(_get(args, "add_bias_linear", True)),
+        normalization=str(_get(args, "normalization", "LayerNorm")),
+        learned_positions=pos == "learned_absolute",
+        max_position_embeddings=int(_get(args, "max_position_embeddings", 0)),
+        first_stage_layers=_get(args, "decoder_first_pipeline_num_layers"),
+        last_stage_layers=_get(args, "decoder_last_pipeline_num_layers"),
+        norm_epsilon=float(_get(args, "norm_epsilon", _get(args, "layernorm_epsilon", 1e-5))),
+        rotary_base=float(_get(args, "rotary_base", 10000)),
+        activation="gelu_tanh" if _get(args, "openai_gelu", False) else "gelu",
+    )
+    if true_vocab and spec.padded_vocab(tp) != padded:
+        raise UnreadableInput(f"args say padded_vocab_size={padded}, but vocab {true_vocab} at TP{tp} "
+                              f"pads to {spec.padded_vocab(tp)}",
+                              hint="Check --true-vocab-size")
+    dp = int(_get(args, "data_parallel_size", 0) or
+             max(1, int(_get(args, "world_size", tp * pp)) // (tp * pp)))
+    topo = Topology(tp=tp, pp=pp, dp=dp, vpp=int(vpp or 1))
+    return spec, topo, bool(true_vocab)
+
+
+# Which Megatron args change the math. Megatron-LM stores hundreds of args (data, logging,
+# parallelism, fusions, precision...), almost all of them irrelevant to what the weights
+# compute, so unlike HF config fields (converters.schemas.hf) an unknown arg is not refused:
+# the rule is this explicit list of the math-affecting args with their no-op values, plus
+# every arg spec_from_args maps into the ModelSpec (layers, sizes, heads, groups, kv_channels,
+# ffn, vocab, swiglu, openai_gelu, bias, normalization, positions, rotary_base, epsilon, tied).
+
+def _off(value, args) -> bool:
+    return value in (None, False)
+
+
+def _rope_only(test):
+    """A RoPE setting: a no-op when the model has no rotary positions."""
+    return lambda value, args: test(value, args) or \
+        str(_get(args, "position_embedding_type", "learned_absolute")) != "rope"
+
+
+MATH_ARGS = {
+    # mapped by spec_from_args, for these values only
+    "position_embedding_type": ("learned_absolute or rope",
+                                lambda v, a: str(v) in ("learned_absolute", "rope")),
+    "normalization": ("LayerNorm or RMSNorm", lambda v, a: str(v) in ("LayerNorm", "RMSNorm")),
+    # no-op values
+    "use_rope_scaling": ("false", _rope_only(_off)),
+    "rotary_percent": ("1.0", _rope_only(lambda v, a: v in (None, 1))),
+    "rotary_interleaved": ("false", _rope_only(_off)),
+    "rotary_seq_len_interpolation_factor": ("null", _rope_only(lambda v, a: v in (None, 1))),
+    "no_rope_freq": ("null", _rope_only(lambda v, a: v is None)),
+    "window_size": ("null", lambda v, a: v is None or
+                    (isinstance(v, (list, tuple)) and tuple(v) == (-1, -1))),
+    "add_qkv_bias": ("false (or add_bias_linear)",
+                     lambda v, a: not v or bool(_get(a, "add_bias_linear", True))),
+    "qk_layernorm": ("false", _off),
+    "qk_l2_norm": ("false", _off),
+    "attention_output_gate": ("false", _off),
+    "softmax_scale": ("null", lambda v, a: v is None),
+    "softmax_type": ("vanilla", lambda v, a: v in (None, "vanilla")),
+    "apply_layernorm_1p": ("false", _off),
+    "layernorm_zero_centered_gamma": ("false", _off),
+    "apply_residual_connection_post_layernorm": ("false", _off),
+    "squared_relu": ("false", _off),
+    "quick_geglu": ("false", _off),
+    "glu_linear_offset": ("0", lambda v, a: v in (None, 0)),
+    "activation_func_clamp_value": ("null", lambda v, a: v is None),
+    "num_experts": ("null", lambda v, a: not v),
+    "num_moe_experts": ("null", lambda v, a: not v),
+    "multi_latent_attention": ("false", _off),
+    "experimental_attention_variant": ("null", lambda v, a: v is None),
+    "linear_attention_freq": ("null", lambda v, a: v is None),
+    "heterogeneous_layers_config_path": ("null", lambda v, a: v is None),
+    "heterogeneous_layers_config_encoded_json": ("null", lambda v, a: v is None),
+    "hybrid_override_pattern": ("null", lambda v, a: v is None),
+    "is_hybrid_model": ("false", _off),
+    "retro_add_retriever": ("false", _off),
+}
+"""Megatron arg -> (its no-op value, in words; test of a value the output loses nothing by)."""
+
+ARGS_KEPT_BY = ("megatron", "megatron-dist", "deepspeed")
+"""Outputs that write the source's ``args`` themselves (:func:`update_args` changes only the
+topology and vocab padding): megatron, megatron-dist, and DeepSpeed pipeline (layer) files."""
+
+
+def uncarried_arg(args: argparse.Namespace) -> tuple[str, object, str] | None:
+    """The first math-affecting arg whose value an output without the args would lose:
+    ``(name, value, its no-op value)``; None when the ModelSpec says it all."""
+    args = normalize_args(args)
+    for name, (noop, ok) in MATH_ARGS.items():
+        value = getattr(args, name, None)
+        if value is not None and not ok(value, args):
+            return name, value, noop
+    return None
+
+
+def refuse_uncarried_args(index: CheckpointIndex, target: str) -> None:
+    """Refuse (UsageError, exit 2) to write ``target`` output, which carries only the
+    ModelSpec, from a source whose Megatron ``args`` set a math-affecting arg the spec does
+    not express (RoPE scaling, a window, QK norms, MoE...): the output would compute
+    differently. Outputs in :data:`ARGS_KEPT_BY` keep every arg and pass."""
+    obj = index.objects.get("args")
+    if target in ARGS_KEPT_BY or obj is None or not isinstance(obj.value, argparse.Namespace):
+        return
+    lost = uncarried_arg(obj.value)
+    if lost is not None:
+        name, value, noop = lost
+        raise UsageError(f"Megatron arg {name}={value!r} is not carried to {target} output by "
+                         "ckptool yet, so the converted model would compute differently",
+                         path=index.url,
+                         hint=f"ckptool maps {name} to {target} only as {noop}; --to megatron or "
+                              "--to megatron-dist keeps the args as they are; nothing was written")
+
+
+def retarget_spec(spec: ModelSpec, source_tp: int, target_tp: int, vocab_known: bool,
+                  first: int | None = None, last: int | None = None) -> ModelSpec:
+    """The same model laid out for ``target_tp``; refuses a vocab padding it cannot know.
+
+    Without the true vocab size the global embedding is the source's padded rows. If the
+    true size could be any of several values that pad differently at the target TP, the
+    target padding is unknowable and the user must say (--true-vocab-size).
+    """
+    if not vocab_known:
+        div = spec.make_vocab_size_divisible_by
+        src_padded = spec.global_vocab_rows
+        lowest = src_padded - div * source_tp + 1
+        if padded_vocab(lowest, div, target_tp) != padded_vocab(src_padded, div, target_tp):
+            raise UsageError(
+                f"the true vocabulary size is unknown and the padded size {src_padded} (TP"
+                f"{source_tp}) pads differently at TP{target_tp}",
+                hint="Pass --true-vocab-size N (the tokenizer's vocabulary size)")
+    changes = {}
+    if first is not None or last is not None:
+        changes = {"first_stage_layers": first, "last_stage_layers": last}
+
+    return replace(spec, **changes) if changes else spec
+
+
+def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology,
+                true_vocab_size: int | None, index: CheckpointIndex | None = None) -> argparse.Namespace:
+    """Megatron args for the target topology (Megatron asserts they match the job's).
+
+    Args made for a source without them (DeepSpeed, HF) say how many samples it trained on
+    (``consumed_train_samples``, from DeepSpeed's ``global_samples``): Megatron's loader
+    restarts the data loader there, at 0 without it."""
+    samples = index.objects.get("global_samples") if args is None and index is not None else None
+    new = copy.deepcopy(args) if args is not None else argparse.Namespace(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads, ffn_hidden_size=spec.ffn,
+        group_query_attention=spec.num_query_groups is not None,
+        num_query_groups=spec.num_query_groups, kv_channels=spec.head_dim,
+        make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by, swiglu=spec.swiglu,
+        untie_embeddings_and_output_weights=not spec.tied_embeddings,
+        add_bias_linear=spec.add_bias, normalization=spec.normalization,
+        position_embedding_type="learned_absolute" if spec.learned_positions else "rope",
+        max_position_embeddings=spec.max_position_embeddings, norm_epsilon=spec.norm_epsilon,
+        rotary_base=spec.rotary_base, openai_gelu=spec.activation == "gelu_tanh")
+    if samples is not None and isinstance(samples.value, int):
+        new.consumed_train_samples = samples.value
+    new.tensor_model_parallel_size = topo.tp
+    new.pipeline_model_parallel_size = topo.pp
+    new.data_parallel_size = topo.dp
+    new.world_size = topo.world
+    new.padded_vocab_size = spec.padded_vocab(topo.tp)
+    new.virtual_pipeline_model_parallel_size = topo.vpp if topo.vpp > 1 else None
+    if topo.vpp > 1:
+        new.num_layers_per_virtual_pipeline_stage = spec.num_layers // topo.pp // topo.vpp
+    new.decoder_first_pipeline_num_layers = spec.first_stage_layers
+    new.decoder_last_pipeline_num_layers = spec.last_stage_layers
+    if true_vocab_size:
+        new.ckptool_true_vocab_size = int(true_vocab_size)
+    return new
+
+
+class UnevenStages:
+    """Writer options of both Megatron formats: Megatron's own
+    ``--decoder-first/last-pipeline-num-layers`` for the target's pipeline split."""
+
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    def configure(self, *, first_stage_layers: int | None = None,
+                  last_stage_layers: int | None = None, **unknown) -> None:
+        super().configure(**unknown)
+        self.first_stage_layers, self.last_stage_layers = first_stage_layers, last_stage_layers
+
+    def target_spec(self, index, source: Topology, target: Topology,
+                    true_vocab_size: int | None) -> ModelSpec:
+        if index.model_config is None:
+            raise UsageError("the source does not say what model it holds", path=index.url,
+                             hint="Pass --model-config CONFIG.json (the model's Hugging Face "
+                                  "config) if it is an HF model")
+        return target_spec(index, source, target, true_vocab_size, self.first_stage_layers,
+                           self.last_stage_layers)
+
+
+def target_spec(index, source: Topology, target: Topology, true_vocab_size: int | None,
+                first: int | None = None, last: int | None = None) -> ModelSpec:
+    """The model of ``index`` laid out for ``target`` (vocab padding checked; ``first`` /
+    ``last``: an uneven pipeline split for the target)."""
+
+    spec = ModelSpec(**index.model_config)
+    known = index.true_vocab_size is not None
+    if true_vocab_size:
+        if true_vocab_size > spec.global_vocab_rows:
+            raise UsageError(f"--true-vocab-size {true_vocab_size} exceeds the checkpoint's "
+                             f"{spec.global_vocab_rows} embedding rows")
+        spec, known = replace(spec, vocab_size=int(true_vocab_size)), True
+    if first is None and last is None and target.pp != source.pp and \
+            (spec.first_stage_layers is not None or spec.last_stage_layers is not None):
+        # the source's uneven split was for its own PP: the target splits evenly unless told
+        spec = replace(spec, first_stage_layers=None, last_stage_layers=None)
+    return retarget_spec(spec, source.tp, target.tp, known, first, last)
+
+
+def source_dtype(index, key: str):
+    """The source dtype of ``key``, or of the same parameter in any layer."""
+    if key in index.tensors:
+        return index.tensors[key].dtype
+    pattern = re.sub(r"layers\.\d+\.", "layers.*.", key)
+    for other, info in index.tensors.items():
+        if re.sub(r"layers\.\d+\.", "layers.*.", other) == pattern:
+            return info.dtype
+    raise UsageError(f"source has no tensor for {key!r}")
+
+
+# ------------------------------------------- Megatron-Core distributed (torch_dist and zarr)
+
