@@ -117,7 +117,7 @@ def test_legacy_names_refuse_gqa_before_writing(both, tmp_path, run_cli):
 
 # ------------------------------------------------- the non-distributed optimizer's state
 
-from converters.megatron.legacy import optimizer as optim  # noqa: E402
+from converters.megatron import optimizer as optim  # noqa: E402
 from converters.schemas.megatron import to_canonical  # noqa: E402
 
 KINDS = ("exp_avg", "exp_avg_sq")
@@ -170,7 +170,7 @@ def _resumed_like_uninterrupted(resumed, after, tol=1e-5):
 
 
 def test_torch_dist_optimizer_reads_as_the_legacy_canonical_state(trained_dist):
-    from converters.megatron.legacy import legacy as megatron
+    from converters.megatron import legacy as megatron
 
     src, _ = trained_dist
     opened = open_checkpoint(str(src))
@@ -290,7 +290,7 @@ def test_writer_refuses_optimizer_state_it_cannot_lay_out():
     """Optimizer tensors with no Megatron param groups and step (another format's) are not
     written to torch_dist; a distributed optimizer's (distrib_optim.pt or torch_dist) are,
     see tests/test_megatron_dist_distopt.py."""
-    from converters.megatron.legacy import legacy as megatron
+    from converters.megatron import legacy as megatron
     from converters.megatron.dist import MegatronDistWriter
     from ckptool.core.index import CheckpointIndex, ObjectInfo, TensorInfo
 
