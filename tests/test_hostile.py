@@ -296,8 +296,11 @@ CASES = [
     Case("megatron-truncated", "megatron", lambda c: truncate(_meg_rank_file(c.ckpt, 1), 4096),
          "not a readable torch.save archive"),
     # ---- reads that could block
-    Case("dcp-metadata-fifo", "dcp", lambda c: _fifo(c, ".metadata"), "FIFO", fifo=True),
-    Case("hf-config-fifo", "hf", lambda c: _fifo(c, "config.json"), "FIFO", fifo=True),
+    # a subprocess per command (~3 s each): the commands that open the file, not all
+    Case("dcp-metadata-fifo", "dcp", lambda c: _fifo(c, ".metadata"), "FIFO", fifo=True,
+         commands=[["inspect"], ["verify"], ["convert", "DST", "--to", "dcp"]]),
+    Case("hf-config-fifo", "hf", lambda c: _fifo(c, "config.json"), "FIFO", fifo=True,
+         commands=[["inspect"], ["verify"], ["convert", "DST", "--to", "dcp"]]),
 ]
 
 
