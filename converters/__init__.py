@@ -3,8 +3,9 @@
 - :mod:`converters.dcp`: PyTorch DCP (``dcp``).
 - :mod:`converters.megatron`: Megatron-LM legacy files (``megatron``), Megatron-Core
   ``torch_dist`` (``megatron-dist``) and ``zarr`` (``megatron-zarr``), their optimizers.
-- :mod:`converters.deepspeed`: DeepSpeed engines and pipelines (``deepspeed``), universal
-  checkpoints (``deepspeed-universal``).
+- :mod:`converters.deepspeed`: DeepSpeed engines, pipelines and engines made from a Hugging
+  Face model (``deepspeed``: three writers, picked by the source), universal checkpoints
+  (``deepspeed-universal``).
 - :mod:`converters.hf`: Hugging Face safetensors (``hf``).
 - :mod:`converters.schemas`: what the models' names and configs mean (Hugging Face,
   Megatron), shared by the frameworks; not formats.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import importlib
 
 from ckptool.core.errors import UnknownFormat, UnsupportedFormat
-from ckptool.core.index import Reader, Writer
+from ckptool.core.index import CheckpointIndex, Reader, Writer
 from ckptool.core.manifest import MANIFEST, read_manifest
 from ckptool.core.storage import Store
 
@@ -43,6 +44,13 @@ WRITERS = {
     "deepspeed": "converters.deepspeed.engine:DeepSpeedWriter",
     "deepspeed-universal": "converters.deepspeed.universal:UniversalWriter",
 }
+VARIANTS = {
+    "deepspeed": ("converters.deepspeed.pipe:PipelineWriter",
+                  "converters.deepspeed.from_hf:HfModelWriter"),
+}
+"""Writers of a format for particular sources, tried in order before its own (``WRITERS``):
+each one's ``serves(index)`` says whether it writes that source. The format's own writer
+class says what the format can do (``canonical_source``, ``fresh_optimizer``, ``reshards``)."""
 
 # More specific layouts first: a DeepSpeed universal checkpoint also has model-state files,
 # a Megatron torch_dist directory also has a DCP `.metadata`, and an HF Trainer DeepSpeed
@@ -64,16 +72,29 @@ def reader(name: str) -> Reader:
     return reader_class(name)()
 
 
-def writer_class(name: str) -> type[Writer]:
-    if name not in WRITERS:
-        raise UnsupportedFormat(f"writing {name} checkpoints is not implemented yet",
-                                hint=f"Writable now: {', '.join(WRITERS)}")
-    module, cls = WRITERS[name].split(":")
+def _load(path: str) -> type:
+    module, cls = path.split(":")
     return getattr(importlib.import_module(module), cls)
 
 
-def writer(name: str) -> Writer:
-    return writer_class(name)()
+def writer_class(name: str) -> type[Writer]:
+    """Format ``name``'s own writer class (what the format can do)."""
+    if name not in WRITERS:
+        raise UnsupportedFormat(f"writing {name} checkpoints is not implemented yet",
+                                hint=f"Writable now: {', '.join(WRITERS)}")
+    return _load(WRITERS[name])
+
+
+def writer(name: str, source: CheckpointIndex | None = None) -> Writer:
+    """A writer of format ``name`` for ``source`` (the index it will be written from, in the
+    view the format reads): the first variant that serves it, else the format's own."""
+    own = writer_class(name)
+    if source is not None:
+        for path in VARIANTS.get(name, ()):
+            cls = _load(path)
+            if cls.serves(source):
+                return cls()
+    return own()
 
 
 def reshardable(name: str) -> bool:

@@ -192,9 +192,10 @@ def test_parameter_alignment_padding_is_laid_out_by_the_rule(tmp_path, stage):
     resharded to DP3 loads exactly (and the rule's paddings equal DeepSpeed's own)."""
     import ckptool
     from ckptool.checkpoints.open import open_checkpoint
+    from converters.deepspeed.zero import Layout
 
     H.save(tmp_path, [stage], dp=2, precision="align")
-    layout = open_checkpoint(str(tmp_path / f"z{stage}_align")).index.objects["deepspeed.layout"].value
+    layout = open_checkpoint(str(tmp_path / f"z{stage}_align")).index.layout(Layout)
     assert layout.align == 8 and any(any(p) for p in layout.osd["param_alignment_paddings"])
     ckptool.reshard(str(tmp_path / f"z{stage}_align"), str(tmp_path / "dp3"), to={"dp": 3})
     H.load(3, [(stage, tmp_path / "dp3", tmp_path / "loaded.pt")], precision="align")

@@ -22,6 +22,7 @@ from tests.conftest import peer
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 peer("deepspeed")
 
+from converters.deepspeed.zero import Layout  # noqa: E402
 from tests.harness import deepspeed_engine as H  # noqa: E402
 
 RESHARDS = {  # name -> (source run, target DP, target stage)
@@ -126,7 +127,7 @@ def test_reader_maps_masters_moments_and_loss_scale(ds):
     opened = open_checkpoint(str(ds / "z0_bf16"))
     index, truth = opened.index, torch.load(ds / "z0_bf16.truth.pt")["saved"]
     assert index.unmapped is None and index.topology.zero == 0
-    layout = index.objects["deepspeed.layout"].value
+    layout = index.layout(Layout)
     assert layout.scaler == {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": H.STEPS}
     assert [float(s) for s in layout.steps] == [H.STEPS + 1.0] * 2
     for kind, key in (("params", "fp32_param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):

@@ -119,3 +119,32 @@ def test_an_incomplete_hf_checkpoint_is_one_clear_line(tmp_path, run_cli):
     res = run_cli("inspect", hf(tmp_path / "ckpt"))
     assert res.code == 2 and "config.json lacks a llama field" in res.err
     assert "Traceback" not in res.err and len(res.err.strip().splitlines()) == 1
+
+
+def test_each_writer_variant_serves_its_sources_and_the_format_its_own():
+    """The registry's variants (DeepSpeed's pipeline and HF-model writers) are Writers of
+    their format, chosen by the typed layout records of the source only."""
+    from ckptool.core.index import CheckpointIndex, Writer
+    from converters.deepspeed.from_hf import HfModelWriter
+    from converters.deepspeed.pipe import PipeLayers, PipeLayout, PipelineWriter
+    from converters.deepspeed.zero import Layout
+    from converters.schemas.hf import HfModel
+
+    for fmt, paths in converters.VARIANTS.items():
+        for path in paths:
+            cls = converters._load(path)
+            assert issubclass(cls, Writer) and cls.name == fmt, path
+    plain = CheckpointIndex("deepspeed", "/ckpt")
+    assert type(converters.writer("deepspeed", plain)) is converters.writer_class("deepspeed")
+    pipe = CheckpointIndex("deepspeed", "/ckpt")
+    pipe.set_layout(PipeLayout(PipeLayers(0, 2, None), "global_step1", {}))
+    assert type(converters.writer("deepspeed", pipe)) is PipelineWriter
+    hf = CheckpointIndex("hf", "/ckpt")
+    hf.set_layout(HfModel({"model_type": "llama"}, "llama"))
+    assert type(converters.writer("deepspeed", hf)) is HfModelWriter
+    copy = hf.copy()
+    copy.drop_layout(HfModel)  # a copy's records are its own
+    assert hf.layout(HfModel) is not None and copy.layout(HfModel) is None
+    engine = hf.copy()
+    engine.set_layout(Layout("t", 1, False, False, [], [], {}, [], {}, {}, {}, [], []))
+    assert type(converters.writer("deepspeed", engine)) is converters.writer_class("deepspeed")

@@ -170,8 +170,6 @@ def _resumed_like_uninterrupted(resumed, after, tol=1e-5):
 
 
 def test_torch_dist_optimizer_reads_as_the_legacy_canonical_state(trained_dist):
-    from converters.megatron import legacy as megatron
-
     src, _ = trained_dist
     opened = open_checkpoint(str(src))
     index = opened.index
@@ -179,8 +177,7 @@ def test_torch_dist_optimizer_reads_as_the_legacy_canonical_state(trained_dist):
     assert len(params) == 27 and index.unmapped is None
     assert {k for k in index.tensors if k.startswith("optimizer.")} == \
         {canon.state_key(kind, p) for p in params for kind in KINDS}
-    assert optim.LAYOUT_KEY == megatron.OPTIMIZER_LAYOUT_KEY  # the same canonical object
-    layout = index.objects[optim.LAYOUT_KEY].value
+    layout = index.layout(optim.Layout)  # the same record as the legacy reader's
     assert layout.fp16 is False and layout.step == 2.0 and layout.extra == {}
     assert [g["wd_mult"] for g in layout.hyper] == [1.0, 0.0]
     assert "common.optimizer" not in index.objects
@@ -252,7 +249,7 @@ def test_bf16_fp32_masters_reshard_and_resume(tmp_path, run_cli):
     src = tmp_path / "src"
     after = H.train_and_save_dist(H.LLAMA, 2, src, bf16=True)
     opened = open_checkpoint(str(src))
-    assert opened.index.objects[optim.LAYOUT_KEY].value.fp16 is True
+    assert opened.index.layout(optim.Layout).fp16 is True
     dst = tmp_path / "tp1"
     assert run_cli("reshard", src, dst, "--to-tp", 1, "--true-vocab-size", 1000).code == 0
     _same_common_optimizer(_common_optimizer(dst), _common_optimizer(src))
@@ -290,18 +287,17 @@ def test_writer_refuses_optimizer_state_it_cannot_lay_out():
     """Optimizer tensors with no Megatron param groups and step (another format's) are not
     written to torch_dist; a distributed optimizer's (distrib_optim.pt or torch_dist) are,
     see tests/test_megatron_dist_distopt.py."""
-    from converters.megatron import legacy as megatron
+    from converters.megatron import distopt
     from converters.megatron.dist import MegatronDistWriter
-    from ckptool.core.index import CheckpointIndex, ObjectInfo, TensorInfo
+    from ckptool.core.index import CheckpointIndex, TensorInfo
 
-    assert optim.DISTRIBUTED_KEY == megatron.DISTOPT_KEY
     index = CheckpointIndex("deepspeed", "/ckpt")
     index.tensors["optimizer.state.exp_avg.output_layer.weight"] = TensorInfo(
         "optimizer.state.exp_avg.output_layer.weight", (4, 2), torch.float32)
     assert MegatronDistWriter().unsupported_state(index) == (
         "the deepspeed source's optimizer state is not a Megatron optimizer's (no param groups "
         "and step to write into common.pt)")
-    index.objects[optim.DISTRIBUTED_KEY] = ObjectInfo(optim.DISTRIBUTED_KEY, value=None)
+    index.set_layout(distopt.Meta({}, {}))
     assert MegatronDistWriter().unsupported_state(index) is None
     index.unmapped = "the reader's own reason"
     assert MegatronDistWriter().unsupported_state(index) == "the reader's own reason"

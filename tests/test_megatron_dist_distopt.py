@@ -24,7 +24,6 @@ peer("megatron.core")
 from ckptool.checkpoints.open import open_checkpoint  # noqa: E402
 from converters.megatron import dist_distopt as dd  # noqa: E402
 from converters.megatron import distopt  # noqa: E402
-from converters.megatron import optimizer as optim  # noqa: E402
 from tests.harness import mcore_distopt_torch_dist as H  # noqa: E402
 from tests.harness import mcore_distopt as D  # noqa: E402
 from tests.harness.mcore import load_common  # noqa: E402
@@ -52,11 +51,11 @@ def test_read_gives_the_optimizer_shards_bit_exact(real, name):
     opened = open_checkpoint(str(real / name))
     index = opened.index
     assert index.unmapped is None
-    assert index.objects[dd.SHARDING_KEY].value == H.CASES[name]["sharding"]
+    assert index.layout(distopt.Meta).sharding == H.CASES[name]["sharding"]
     want = _want(real, name)
     assert {k for k in index.tensors if k.startswith(canon.PREFIX)} == set(want)
     _exact(opened, want)
-    meta = index.objects[optim.DISTRIBUTED_KEY].value
+    meta = index.layout(distopt.Meta)
     assert meta.keys == {torch.float32: (torch.float32, torch.float32)}
     assert [g["step"] for g in meta.state["optimizer"]["param_groups"]] == [1.0, 1.0]
     if name == "dp2":  # the case does cut parameters at bucket and DP-rank boundaries
@@ -78,7 +77,7 @@ def test_a_wrong_layout_rule_is_caught(real, monkeypatch):
     monkeypatch.setattr(distopt, "ALIGN", 32)
     index = open_checkpoint(str(real / "dp2")).index
     assert index.unmapped.startswith("dp_group_idx_0 gbuf_idx_0 holds buckets of [9920, 7232, ")
-    assert optim.DISTRIBUTED_KEY not in index.objects
+    assert index.layout(distopt.Meta) is None
 
 
 def test_a_rank_refused_late_leaves_the_stored_state_as_it_is(real, tmp_path, run_cli, monkeypatch):
@@ -181,8 +180,7 @@ def test_round_trip_is_bit_exact(real, tmp_path, run_cli):
         assert opened.index.tensors.keys() == source.index.tensors.keys()
         for key in source.index.tensors:
             assert torch.equal(full_tensor(opened, key), full_tensor(source, key)), (out.name, key)
-        assert opened.index.objects[optim.DISTRIBUTED_KEY].value.state == \
-            source.index.objects[optim.DISTRIBUTED_KEY].value.state
+        assert opened.index.layout(distopt.Meta).state == source.index.layout(distopt.Meta).state
     assert load_common(back)["content_metadata"] == {"distrib_optim_sharding_type": dd.WRITTEN}
     assert run_cli("verify", back, "--deep").code == 0
 

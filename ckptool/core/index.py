@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -69,6 +69,9 @@ class ObjectInfo:
     """Set when the value is already known from the metadata itself."""
 
 
+L = TypeVar("L")
+
+
 @dataclass(slots=True)
 class CheckpointIndex:
     format: str
@@ -90,6 +93,28 @@ class CheckpointIndex:
     unmapped: str | None = None
     """Why state the source holds could not be mapped to global tensors (e.g. an optimizer
     layout ckptool cannot derive): every writer refuses it unless it is dropped on request."""
+    layouts: dict[type, Any] = field(default_factory=dict)
+    """What the reader knows of the source beyond its tensors and stored objects, one typed
+    record per kind, keyed by its class: a DeepSpeed source's file structure, a Megatron
+    optimizer's non-tensor state, the Hugging Face config of a model... A writer (or the
+    core) asks for the record it understands with :meth:`layout`; no string keys."""
+
+    def layout(self, kind: type[L]) -> L | None:
+        """The source's record of class ``kind``, or None when the source has none."""
+        return self.layouts.get(kind)
+
+    def set_layout(self, record: Any) -> None:
+        """Record ``record`` under its class (replacing one of the same class)."""
+        self.layouts[type(record)] = record
+
+    def drop_layout(self, kind: type) -> None:
+        self.layouts.pop(kind, None)
+
+    def copy(self, **changes) -> "CheckpointIndex":
+        """A copy whose tensor, object, file and layout tables can change without touching
+        this index's (their entries are shared)."""
+        return replace(self, **{"tensors": dict(self.tensors), "objects": dict(self.objects),
+                                "files": dict(self.files), "layouts": dict(self.layouts), **changes})
 
 
 class Reader:
@@ -229,6 +254,13 @@ class Writer:
     reads another format under its stored names (``Reader.native``)."""
     fresh_optimizer: bool = False
     """It can write a fresh optimizer state for a weights-only source (``--init-optimizer``)."""
+
+    @classmethod
+    def serves(cls, index: CheckpointIndex) -> bool:
+        """Whether this writer writes its format from source ``index``: a format with
+        writers for particular sources (DeepSpeed's for a pipeline, for a Hugging Face
+        model) registers them as variants, each saying which sources it serves."""
+        return True
 
     def configure(self, **options) -> None:
         """Format options (e.g. hf's ``max_shard_size``); a writer takes only its own."""

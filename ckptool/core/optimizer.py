@@ -17,14 +17,13 @@ Also here, because several frameworks follow them:
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from ckptool.core.index import (
     CheckpointIndex,
     Location,
-    ObjectInfo,
     Piece,
     TensorInfo,
     WrappingReader,
@@ -85,8 +84,28 @@ def torch_state_dict(groups: list[list[str]], hyper: list[dict], entry) -> dict:
 
 # ----------------------------------------------------------- a fresh state (--init-optimizer)
 
-FRESH_STEP = "optimizer.fresh_step"
-"""Object of an index given a fresh state: the step every param group starts at (0)."""
+@dataclass(frozen=True)
+class ParamGroups:
+    """The layout record of a source's optimizer param groups as the framework that saved
+    them held them, for a writer of another framework that rebuilds its own groups from
+    them (Megatron's optimizer from a DeepSpeed one)."""
+
+    ranks: dict[int, list[list[tuple[str, tuple[int, ...]]]]]
+    """Model-parallel rank -> its param groups, each the (name, shape) of its parameters in
+    the group's order."""
+    hyper: list[dict]
+    """Each group's hyperparameters (``lr``, ``betas``, ``weight_decay``...)."""
+    steps: list
+    """Each group's optimizer step."""
+
+
+@dataclass(frozen=True)
+class FreshState:
+    """The layout record of an index given a fresh state (:func:`fresh_state`): the step
+    every param group starts at."""
+
+    step: int = 0
+
 _ZEROS = "zeros"
 
 
@@ -95,7 +114,7 @@ def fresh_state(index: CheckpointIndex) -> CheckpointIndex:
     a torch Adam/AdamW has before its first step: an fp32 master equal to the weight, both
     moments zero, step 0. Read it through :class:`FreshReader`. Only ``convert
     --init-optimizer`` asks for it."""
-    out = replace(index, tensors=dict(index.tensors), objects=dict(index.objects))
+    out = index.copy()
     for key, info in index.tensors.items():
         master = state_key("fp32_param", key)
         out.tensors[master] = TensorInfo(master, info.shape, torch.float32, [
@@ -104,7 +123,7 @@ def fresh_state(index: CheckpointIndex) -> CheckpointIndex:
             k = state_key(kind, key)
             out.tensors[k] = TensorInfo(k, info.shape, torch.float32, [
                 Piece(Region.whole(k, info.shape), Location("", detail=_ZEROS))])
-    out.objects[FRESH_STEP] = ObjectInfo(FRESH_STEP, value=0)
+    out.set_layout(FreshState())
     return out
 
 

@@ -13,7 +13,7 @@ The schema is the one rule; readers and writers of every format share it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -80,7 +80,7 @@ def remap(index: CheckpointIndex, entries: list[Entry], prefixes: tuple[str, ...
     """The canonical view of ``index`` under ``entries``. Each prefix (e.g. an optimizer
     state's ``optimizer.state.exp_avg.``) maps ``prefix + stored name`` to ``prefix +
     canonical key`` by the same entries; a prefix other than ``""`` may be absent."""
-    out = replace(index, tensors={}, objects=dict(index.objects), files=dict(index.files))
+    out = index.copy(tensors={})
     used, missing = set(), []
     for prefix in prefixes:
         for e in entries:

@@ -162,12 +162,13 @@ def rewrite(opened: Opened, dst: str, fmt: str, options: RewriteOptions,
     region from the source, commit atomically."""
     started = time.perf_counter()
     require_safe_pickles(opened)
-    writer = converters.writer(fmt)
+    target_format = converters.writer_class(fmt)  # what the format can do
     if fmt != opened.format:
-        opened = opened.canonical() if writer.canonical_source else opened.native()
+        opened = opened.canonical() if target_format.canonical_source else opened.native()
     if options.init_optimizer:
-        opened = _fresh_optimizer(opened, writer)
+        opened = _fresh_optimizer(opened, target_format)
     index = opened.index
+    writer = converters.writer(fmt, index)  # the format's writer for this source
     source_topo = index.topology
     if source_topo is None:
         raise UsageError("the source does not say what topology it holds",
@@ -222,8 +223,9 @@ def rewrite(opened: Opened, dst: str, fmt: str, options: RewriteOptions,
                             "seconds": time.perf_counter() - started})
 
 
-def _fresh_optimizer(opened: Opened, writer) -> Opened:
-    """``--init-optimizer``: a fresh optimizer state for a weights-only source."""
+def _fresh_optimizer(opened: Opened, writer: type) -> Opened:
+    """``--init-optimizer``: a fresh optimizer state for a weights-only source (``writer``:
+    the target format's writer class)."""
     if not writer.fresh_optimizer:
         raise UsageError(f"--init-optimizer does not apply to {writer.name} output",
                          hint="Megatron builds a fresh optimizer itself when it loads weights only "

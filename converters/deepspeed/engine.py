@@ -30,7 +30,6 @@ hands unknown entries back as client state); without ``ckptool.json`` it is not 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, replace
 from typing import Any
@@ -45,7 +44,7 @@ from ckptool.core.errors import (
     UsageError,
 )
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
-from ckptool.core.optimizer import FRESH_STEP, decay_groups, no_decay, state_key
+from ckptool.core.optimizer import FreshState, no_decay, state_key
 from ckptool.core.regions import Region, Shard
 from ckptool.core.safe_pickle import record_class
 from ckptool.core.storage import Store, pointed_dir
@@ -53,19 +52,18 @@ from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending, TensorRef
 from ckptool.core.torchreader import save_target
 
-# The pipeline variant of this format (layer files), dispatched from the reader and the writer:
-# the one format module imported here; it imports nothing from this one.
-from converters.deepspeed.pipe import PipelineWriter, is_pipeline, read_pipeline
+# The pipeline variant of this format (layer files), dispatched from the reader; the
+# registry picks its writer. It imports nothing from this module.
+from converters.deepspeed.pipe import PipeLayout, is_pipeline, read_pipeline
 from converters.deepspeed.zero import (
-    LAYOUT_KEY,
     MARK,
     MOMENTS,
     OPTIM_FILE,
     PER_RANK,
-    PIPELINE_KEY,
     UNFUSED_MASTERS,
     UNFUSED_STATE,
     Layout,
+    Stage0Module,
     ZeroReader,
     add_region,
     alignment_paddings,
@@ -77,19 +75,14 @@ from converters.deepspeed.zero import (
     param_groups,
     parameter_alignment,
     rank_files,
+    record_layout,
     source_state_key,
     uncarried_state,
     zero3_partition,
     zero_partition,
     zero_stage,
 )
-from converters.schemas.hf import (
-    CONFIG,
-    CONFIG_KEY,
-    FAMILY_KEY,
-    spec_from_config,
-    tied_aliases,
-)
+from converters.schemas.hf import CONFIG
 
 NAME = "deepspeed"
 LATEST = "latest"
@@ -131,6 +124,11 @@ class DeepSpeedReader(ZeroReader):
             return True
         tag = pointed_dir(store, LATEST)  # a `latest` naming a missing tag is refused here
         return tag is not None and _has_model_states(store, tag) and not store.isdir(f"{tag}/zero")
+
+    def canonical(self, store: Store, index: CheckpointIndex) -> CheckpointIndex | None:
+        if index.layout(PipeLayout) is not None:
+            return None  # a pipeline's layer files are read under canonical names already
+        return super().canonical(store, index)
 
     def read_index(self, store: Store) -> CheckpointIndex:
         tag = _tag(store)
@@ -177,12 +175,14 @@ class DeepSpeedReader(ZeroReader):
             self._read_module(store, index, first, ms, aliases)
             if ms.get("optimizer"):
                 self._read_stage0_optimizer(store, index, tag, first, ms, aliases)
+            if index.layout(Layout) is None:
+                index.set_layout(Stage0Module())
             return index
         model_rels = rank_files(zero3, dp, "ZeRO-3 model-states", where) if zero3 else [first]
         layout = self._layout(store, tag, stage, first, optim, osd)
         index.unmapped = uncarried_state(
             (osd.get("base_optimizer_state", osd.get("optimizer_state_dict")) or {}).get("state"))
-        index.objects[LAYOUT_KEY] = ObjectInfo(LAYOUT_KEY, value=layout)
+        record_layout(index, layout)
         index.objects["optimizer.step"] = ObjectInfo("optimizer.step", value=layout.steps)
         index.objects["optimizer.param_groups"] = ObjectInfo("optimizer.param_groups", value=layout.hyper)
         if stage < 3:
@@ -285,7 +285,7 @@ class DeepSpeedReader(ZeroReader):
             hyper=[{k: archive.materialize(v) for k, v in pg.items() if k != "params"}
                    for pg in osd["param_groups"]], steps=steps, scaler=scaler)
         layout.bf16_files = layout.model_dtype == torch.bfloat16  # the name of ZeRO output files
-        index.objects[LAYOUT_KEY] = ObjectInfo(LAYOUT_KEY, value=layout)
+        record_layout(index, layout)
         index.objects["optimizer.step"] = ObjectInfo("optimizer.step", value=steps)
         index.objects["optimizer.param_groups"] = ObjectInfo("optimizer.param_groups", value=layout.hyper)
         at = ("optimizer",) if wrapper is None else ("optimizer", UNFUSED_STATE)
@@ -534,14 +534,15 @@ class DeepSpeedWriter(Writer):
     Every rank's partitions are laid out by the rules of :mod:`converters.deepspeed.zero`; the
     non-tensor entries are the source's, with ``dp_world_size``, the stage and the partition
     bookkeeping rewritten.
-    A pipeline source (layer files) is written by :class:`~converters.deepspeed.pipe.PipelineWriter`
-    at any TP/PP/DP; the topology is checked once the source's kind is known (``target_spec``)."""
+
+    The format's other writers are registered variants (``converters.VARIANTS``): a pipeline
+    source (layer files) is written by :class:`~converters.deepspeed.pipe.PipelineWriter` at
+    any TP/PP/DP, a Hugging Face model by
+    :class:`~converters.deepspeed.from_hf.HfModelWriter`."""
 
     name = NAME
-    canonical_source = False  # an hf source keeps its names: they are the engine module's
-    fresh_optimizer = True
-    pipeline: PipelineWriter | None = None
-    """Set for a pipeline source: it writes the output (:mod:`converters.deepspeed.pipe`)."""
+    canonical_source = False  # another format is read under its stored names (an hf model's)
+    fresh_optimizer = True  # for an hf source (HfModelWriter)
     param_groups: str | None = None
     """hf source with --init-optimizer: ``decay`` (the default; weight decay / none for biases
     and 1-D parameters, as the HF Trainer and Megatron group them) or ``single`` (DeepSpeed's
@@ -565,61 +566,38 @@ class DeepSpeedWriter(Writer):
                                     "are written; keep --to-tp 1 --to-pp 1")
 
     def target_spec(self, index, source, target, true_vocab_size):
-        if PIPELINE_KEY in index.objects:
-            self.pipeline = PipelineWriter()
-            return self.pipeline.target_spec(index, source, target, true_vocab_size)
-        if self.param_groups is not None and FRESH_STEP not in index.objects:
+        if self.param_groups is not None and index.layout(FreshState) is None:
             raise UsageError("--param-groups applies to a fresh optimizer state (--init-optimizer "
                              "from an hf source); this output keeps the source's groups")
-        if _hf_model(index):
-            self._source = _hf_layout(index, target, self.param_groups or "decay")
-        else:
-            self._check_topology(source, target)
-            if LAYOUT_KEY not in index.objects:
-                if index.format == NAME and source.zero == 0:
-                    raise TopologyError("this stage-0 checkpoint holds no optimizer state: it loads "
-                                        "at any DP size as it is", path=index.url)
-                raise UsageError(f"DeepSpeed output is written only from a DeepSpeed checkpoint "
-                                 f"or a Hugging Face model, not from {index.format}", path=index.url)
-            self._source = index.objects[LAYOUT_KEY].value
-        layout = self._source
-        if not _hf_model(index) and 0 in (source.zero, target.zero) and layout.model_dtype == torch.float16:
-            raise TopologyError("an fp16 engine without ZeRO (FP16_Optimizer) is read but not written: "
-                                "DeepSpeed builds no fp16 engine on CPU, so ckptool has not checked "
-                                "such output against it", path=index.url,
-                                hint="Convert to hf, dcp or megatron; or write ZeRO 1-3 from a ZeRO source")
+        layout = self._source = self.engine_layout(index, source, target)
         if layout.bf16_optimizer and target.zero != 1:
             raise TopologyError("BF16_Optimizer checkpoints stay at ZeRO-1", path=index.url)
         if target.zero == 3:
             check_sub_groups(layout, target.dp, index.url)
         return None
 
-    def notes(self, index: CheckpointIndex) -> list[str]:
-        if self.pipeline is not None or not _hf_model(index):
-            return []
-        if FRESH_STEP not in index.objects:
-            return ["model weights only (no optimizer state was asked for): load with "
-                    "engine.load_checkpoint(DST, load_module_only=True) into a ZeRO-0/1/2 engine "
-                    "at any DP size; --init-optimizer --zero S --dp N writes ZeRO files (ZeRO-3 "
-                    "needs them)"]
-        groups = "one param group" if self.param_groups == "single" else \
-            "two param groups (decay; no decay for biases and 1-D parameters)"
-        return [f"fresh optimizer state (fp32 masters = the weights, zero Adam moments, step 0) "
-                f"in {groups}, in the model's parameter order: load with engine.load_checkpoint("
-                "DST, load_optimizer_states=False, load_lr_scheduler_states=False) (ZeRO-3 reads "
-                "the masters from these files; ZeRO-1/2 rebuild the same ones from the module). "
-                "With load_optimizer_states=True the files' param groups replace your optimizer's "
-                "and carry no hyperparameters: put yours back before the first step. ZeRO-1/2 "
-                "engines with round_robin_gradients (their flat order depends on DP) should load "
-                "the module alone (load_module_only=True)"]
+    def engine_layout(self, index: CheckpointIndex, source: Topology, target: Topology) -> Layout:
+        """The structure of the engine written: the source's (:class:`Layout`), checked."""
+        self._check_topology(source, target)
+        layout = index.layout(Layout)
+        if layout is None:
+            if index.layout(Stage0Module) is not None:
+                raise TopologyError("this stage-0 checkpoint holds no optimizer state: it loads "
+                                    "at any DP size as it is", path=index.url)
+            raise UsageError(f"DeepSpeed output is written only from a DeepSpeed checkpoint "
+                             f"or a Hugging Face model, not from {index.format}", path=index.url)
+        if 0 in (source.zero, target.zero) and layout.model_dtype == torch.float16:
+            raise TopologyError("an fp16 engine without ZeRO (FP16_Optimizer) is read but not written: "
+                                "DeepSpeed builds no fp16 engine on CPU, so ckptool has not checked "
+                                "such output against it", path=index.url,
+                                hint="Convert to hf, dcp or megatron; or write ZeRO 1-3 from a ZeRO source")
+        return layout
 
     def source_schema(self, opened) -> str:
         return NAME
 
     def plan(self, index: CheckpointIndex, topo: Topology, spec, schema: str,
              with_optimizer: bool = True) -> list[TargetFile]:
-        if self.pipeline is not None:
-            return self.pipeline.plan(index, topo, spec, schema, with_optimizer)
         if not with_optimizer and topo.zero:
             raise UsageError("DeepSpeed ZeRO checkpoints keep the fp32 weights in the optimizer "
                              "files, so --drop-optimizer cannot apply", path=index.url,
@@ -691,8 +669,6 @@ class DeepSpeedWriter(Writer):
 
     def write_file(self, store: Store, target: TargetFile, produce, index: CheckpointIndex,
                    true_vocab_size: int | None) -> tuple[int, str]:
-        if self.pipeline is not None:
-            return self.pipeline.write_file(store, target, produce, index, true_vocab_size)
         layout = self._target
         ctx = target.context
         pending = {t.name: Pending(t.name, t.shard.shape, t.dtype) for t in target.tensors}
@@ -704,70 +680,17 @@ class DeepSpeedWriter(Writer):
         self._source_store = opened.store
 
     def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
-        if self.pipeline is not None:
-            return self.pipeline.finalize(store, index)
         store.write_bytes(LATEST, self._source.tag.encode())
         # config.json beside `latest`, as the HF Trainer lays it out: what names the module's
-        # schema (an hf source's, or the one a DeepSpeed source carries) goes with it
-        if _hf_model(index):
-            store.write_bytes(CONFIG, json.dumps(index.objects[CONFIG_KEY].value, indent=2).encode())
-        elif self._source_store is not None and self._source_store.exists(CONFIG):
-            store.write_bytes(CONFIG, self._source_store.read_bytes(CONFIG))
-        else:
+        # schema (the one a DeepSpeed source carries; an hf source's) goes with it
+        config = self.config_json()
+        if config is None:
             return [LATEST]
+        store.write_bytes(CONFIG, config)
         return [LATEST, CONFIG]
 
-
-def _hf_model(index: CheckpointIndex) -> bool:
-    """The source is a model alone, under a Hugging Face model's names (an hf checkpoint's
-    native view): no engine layout, a config.json. It becomes a fresh engine's module."""
-    return LAYOUT_KEY not in index.objects and CONFIG_KEY in index.objects
-
-
-FRESH_DS_VERSION = "0.16.0"
-"""``ds_version`` of files written for an hf source: any version from 0.3.17 (ZeRO-1's
-layout change) reads the layout written here; DeepSpeed refuses an empty one."""
-
-
-def _hf_layout(index: CheckpointIndex, target: Topology, param_groups: str) -> Layout:
-    """The structure of the engine a Hugging Face model becomes: its parameters in
-    ``named_parameters()`` order (the hf reader's native index), tied aliases sharing their
-    owner's tensor, no buffers, in ``param_groups`` (``decay``: Megatron's and the HF
-    Trainer's split, weight decay off for biases and 1-D parameters; ``single``)."""
-    for axis in ("tp", "pp", "ep", "vpp"):
-        if getattr(target, axis) != 1:
-            raise TopologyError(f"DeepSpeed output with {axis.upper()}{getattr(target, axis)} is not "
-                                "supported from a Hugging Face model", hint="Keep --tp 1 --pp 1")
-    fresh = FRESH_STEP in index.objects
-    if target.zero and not fresh:
-        raise UsageError(f"a ZeRO-{target.zero} DeepSpeed checkpoint holds optimizer state, and a "
-                         "Hugging Face model has none", path=index.url,
-                         hint="Pass --init-optimizer for a fresh state, or leave out --zero: the "
-                              "model states alone load with load_checkpoint(..., load_module_only=True)")
-    if fresh and not target.zero:
-        raise UsageError("--init-optimizer writes ZeRO optimizer files: give --zero 1, 2 or 3",
-                         path=index.url)
-    family = index.objects[FAMILY_KEY].value
-    spec = spec_from_config(index.objects[CONFIG_KEY].value, family)
-    params = [(k, tuple(t.shape), t.dtype) for k, t in index.tensors.items()
-              if not k.startswith("optimizer.")]
-    aliases = tied_aliases(spec, family)
-    owners = {name: (shape, dtype) for name, shape, dtype in params}
-    module = params + [(alias, *owners[owner]) for alias, owner in aliases.items()]
-    if param_groups == "single":
-        groups = [[(n, s) for n, s, _ in params]]
-    else:
-        groups = [g for g in decay_groups([(n, len(s)) for n, s, _ in params]) if g]
-        groups = [[(n, owners[n][0]) for n in g] for g in groups]
-    dtypes = {d for _, _, d in params}
-    bf16 = dtypes == {torch.bfloat16}
-    return Layout(
-        tag="global_step0", stage=target.zero, bf16_files=bf16, bf16_optimizer=False,
-        groups=groups, frozen=[], shared=aliases, module=module,
-        model_states=dict(buffer_names=[], optimizer=None, lr_scheduler=None, data_sampler=None,
-                          random_ltd=None, skipped_steps=0, global_steps=0, global_samples=0,
-                          mp_world_size=1, ds_version=FRESH_DS_VERSION),
-        optim_file={"ds_version": FRESH_DS_VERSION},
-        osd={"loss_scaler": _loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
-             "zero_stage": target.zero, "ds_version": FRESH_DS_VERSION},
-        hyper=[{} for _ in groups], steps=[torch.tensor(0.0) for _ in groups])
+    def config_json(self) -> bytes | None:
+        """The ``config.json`` written beside ``latest``: the source's, if it has one."""
+        if self._source_store is not None and self._source_store.exists(CONFIG):
+            return self._source_store.read_bytes(CONFIG)
+        return None

@@ -61,7 +61,7 @@ from ckptool.core.errors import (
 )
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
 from ckptool.core.layout import WORD_EMBEDDINGS, check, split
-from ckptool.core.optimizer import state_key
+from ckptool.core.optimizer import ParamGroups, state_key
 from ckptool.core.regions import Region, Shard
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending
@@ -70,7 +70,6 @@ from converters.deepspeed.zero import (
     MOMENTS,
     OPTIM_FILE,
     PER_RANK,
-    PIPELINE_KEY,
     Layout,
     add_region,
     ds_config_for,
@@ -224,7 +223,7 @@ def read_pipeline(reader, store, tag: str, names: list[str]) -> CheckpointIndex:
                         model_states={k: None if k in ("optimizer", "rng_state") else archive0.materialize(v)
                                       for k, v in ms.items()},
                         model_optimizer=ms.get("optimizer") is not None)
-    index.objects[PIPELINE_KEY] = ObjectInfo(PIPELINE_KEY, value=record)
+    index.set_layout(record)
     for key in _CARRIED:
         if key in ms:
             index.objects[key] = ObjectInfo(key, value=archive0.materialize(ms[key]))
@@ -261,6 +260,8 @@ def read_pipeline(reader, store, tag: str, names: list[str]) -> CheckpointIndex:
             record.groups, record.optim = {}, None
             for key in [k for k in index.tensors if k.startswith("optimizer.")]:
                 del index.tensors[key]
+    if record.optim is not None and record.optim.hyper:
+        index.set_layout(ParamGroups(record.groups, record.optim.hyper, record.optim.steps))
     for key, info in index.tensors.items():
         if not info.pieces:
             raise BadCheckpoint("tensor has only replicas, no primary copy", path=where, key=key)
@@ -518,7 +519,8 @@ class StageOptimFile:
 class PipelineWriter(Writer):
     """Writes a Megatron-DeepSpeed pipeline checkpoint (``<tag>/`` of layer files, model
     states per model-parallel rank and ZeRO-1 / BF16_Optimizer files per (DP, MP) rank) at
-    a new TP, PP and DP, driven by :class:`converters.deepspeed.DeepSpeedWriter`.
+    a new TP, PP and DP: the ``deepspeed`` format's writer for a pipeline source (the
+    registry picks it by :meth:`serves`).
 
     * Layer files do not depend on PP: each TP rank's file of spec ``idx`` holds the layout
       rule's shard of each entry, under the source's names and in its order.
@@ -540,6 +542,11 @@ class PipelineWriter(Writer):
     """
 
     name = "deepspeed"
+    canonical_source = False
+
+    @classmethod
+    def serves(cls, index: CheckpointIndex) -> bool:
+        return index.layout(PipeLayout) is not None
 
     def __init__(self):
         self.spec = None
@@ -550,7 +557,7 @@ class PipelineWriter(Writer):
                     true_vocab_size: int | None):
         """Refuse an impossible target (naming the rule) before anything is written."""
 
-        layout: PipeLayout = index.objects[PIPELINE_KEY].value
+        layout = index.layout(PipeLayout)
         if layout.optim is None:
             raise UsageError("DeepSpeed pipeline output needs the source's ZeRO-1 or BF16_Optimizer "
                              "state, which it does not hold", path=index.url,
@@ -601,13 +608,16 @@ class PipelineWriter(Writer):
             groups[group_of[canonical]].append(name)
         return groups
 
+    def source_schema(self, opened) -> str:
+        return self.name  # the layer files keep the source's names, whatever is asked
+
     def plan(self, index: CheckpointIndex, topo: Topology, spec=None, schema: str = "legacy",
              with_optimizer: bool = True) -> list[TargetFile]:
         if not with_optimizer:
             raise UsageError("DeepSpeed ZeRO checkpoints keep the fp32 weights in the optimizer "
                              "files, so --drop-optimizer cannot apply", path=index.url,
                              hint="Convert to hf or dcp for the weights alone")
-        layout: PipeLayout = index.objects[PIPELINE_KEY].value
+        layout = index.layout(PipeLayout)
         padded, params, tag = self.spec.padded_vocab(topo.tp), self._params, layout.tag
         files = []
         for idx, entries in sorted(layout.entries.items()):
@@ -666,7 +676,7 @@ class PipelineWriter(Writer):
     def _model_states(self, index, ctx: "StageModelFile", pending, true_vocab_size) -> dict:
 
 
-        layout: PipeLayout = index.objects[PIPELINE_KEY].value
+        layout = index.layout(PipeLayout)
         topo, stage = ctx.topo, ctx.stage
         tree = dict(layout.model_states)
         if tree.get("param_shapes") is not None:  # BF16_Optimizer records none
@@ -693,7 +703,7 @@ class PipelineWriter(Writer):
         return tree
 
     def finalize(self, store, index: CheckpointIndex) -> list[str]:
-        store.write_bytes("latest", index.objects[PIPELINE_KEY].value.tag.encode())
+        store.write_bytes("latest", index.layout(PipeLayout).tag.encode())
         store.write_bytes(TRACKER, str(index.iteration or 0).encode())  # Megatron-DeepSpeed's tracker
         return ["latest", TRACKER]
 
@@ -781,4 +791,4 @@ def _asdict(spec) -> dict:
 
 
 __all__ = ["is_pipeline", "read_pipeline", "PipeLayers", "PipeLayout", "PipelineWriter",
-           "stage_bounds", "partition_balanced", "partition_uniform", "LAYER_FILE", "PIPELINE_KEY"]
+           "stage_bounds", "partition_balanced", "partition_uniform", "LAYER_FILE"]

@@ -56,10 +56,9 @@ from ckptool.core.storage import Store, pointed_dir
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending, TensorRef
 from ckptool.core.torchreader import save_target
+from converters.deepspeed.pipe import PipeLayout
 from converters.deepspeed.zero import (
-    LAYOUT_KEY,
     MARK,
-    PIPELINE_KEY,
     Layout,
     ZeroReader,
     add_region,
@@ -291,14 +290,14 @@ class UniversalWriter(Writer):
         return Topology()
 
     def target_spec(self, index, source, target, true_vocab_size):
-        if PIPELINE_KEY in index.objects:
+        if index.layout(PipeLayout) is not None:
             raise UsageError(f"writing {NAME} from DeepSpeed pipeline checkpoints (layer files) is "
                              "not supported yet", path=index.url)
-        if LAYOUT_KEY not in index.objects:
+        if index.layout(Layout) is None:
             raise UsageError(f"{NAME} output is written only from a DeepSpeed ZeRO-1/2/3 checkpoint, "
                              f"not from {index.format}", path=index.url,
                              hint="A stage-0 checkpoint holds no ZeRO optimizer layout to convert")
-        layout: Layout = index.objects[LAYOUT_KEY].value
+        layout = index.layout(Layout)
         names = [n for group in layout.groups for n, _ in group]
         if any(source_state_key(index, "fp32_param", n) not in index.tensors for n in names):
             raise UsageError(f"the source's optimizer state does not hold an fp32 master of every "
@@ -314,7 +313,7 @@ class UniversalWriter(Writer):
             raise UsageError(f"{NAME} checkpoints restore the weights from the fp32 masters, so "
                              "--drop-optimizer cannot apply", path=index.url,
                              hint="Convert to hf or dcp for the weights alone")
-        layout: Layout = index.objects[LAYOUT_KEY].value
+        layout = index.layout(Layout)
         zero = f"{layout.tag}/{ZERO}"
         files = [self._model_file(f"{layout.tag}/{MP_STATES}", index, layout, layout.stage < 3),
                  self._model_file(f"{layout.tag}/{ZERO3_STATES.format(0)}", index, layout, False),
@@ -360,7 +359,7 @@ class UniversalWriter(Writer):
         return save_target(store, target, ctx.tree, fill)
 
     def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
-        store.write_bytes(LATEST_UNIVERSAL, index.objects[LAYOUT_KEY].value.tag.encode())
+        store.write_bytes(LATEST_UNIVERSAL, index.layout(Layout).tag.encode())
         if self._config is None:
             return [LATEST_UNIVERSAL]
         store.write_bytes(CONFIG, self._config)

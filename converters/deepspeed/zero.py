@@ -29,7 +29,7 @@ import torch
 from ckptool.core import VERSION
 from ckptool.core.errors import BadCheckpoint, TopologyError, UnreadableInput
 from ckptool.core.index import CheckpointIndex, Location, Piece, TensorInfo
-from ckptool.core.optimizer import state_key, torch_state_dict
+from ckptool.core.optimizer import ParamGroups, state_key, torch_state_dict
 from ckptool.core.regions import Region, Shard
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
@@ -37,7 +37,6 @@ from ckptool.core.torchfile import TensorRef
 from ckptool.core.torchreader import TorchFileReader
 from converters.schemas.hf import CONFIG, named_view
 
-LAYOUT_KEY = "deepspeed.layout"
 MARK = "ckptool"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2})_?optim_states\.pt$")
@@ -53,8 +52,6 @@ UNFUSED_STATE, UNFUSED_MASTERS = "optimizer_state_dict", "fp32_groups"
 client's torch state dict and the fp32 masters, a list per param group parallel to its
 ``params``, beside the loss-scale entries (DeepSpeed 0.19.8)."""
 
-PIPELINE_KEY = "deepspeed.pipeline"
-"""The index object of a pipeline source (:class:`converters.deepspeed.pipe.PipeLayout`)."""
 
 Group = list[tuple[str, tuple[int, ...]]]
 
@@ -209,6 +206,20 @@ class Layout:
         return self.trainable | {name for name, _ in self.frozen} | set(self.shared)
 
 
+@dataclass(frozen=True)
+class Stage0Module:
+    """The layout record of a stage-0 engine's model states without an optimizer layout:
+    nothing in them depends on the DP size."""
+
+
+def record_layout(index: CheckpointIndex, layout: Layout) -> None:
+    """Record a ZeRO/stage-0 source's :class:`Layout` and, for the writers of other
+    frameworks (Megatron's optimizer from a DeepSpeed one), its param groups."""
+    index.set_layout(layout)
+    if layout.hyper:
+        index.set_layout(ParamGroups({0: layout.groups}, layout.hyper, layout.steps))
+
+
 # ------------------------------------------------------------------------- reading
 
 
@@ -229,8 +240,6 @@ class ZeroReader(TorchFileReader):
         """A module that is a Hugging Face model (HF Trainer, accelerate) under canonical
         names, its optimizer state with it; its config is ``--model-config`` or the
         ``config.json`` beside ``latest`` (the HF Trainer's ``checkpoint-N/`` layout)."""
-        if PIPELINE_KEY in index.objects:
-            return None
         if self.model_config:
             where = self.model_config
             try:

@@ -25,7 +25,6 @@ from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
 from ckptool.core.index import (
     CheckpointIndex,
     Location,
-    ObjectInfo,
     Piece,
     Reader,
     TensorInfo,
@@ -43,8 +42,7 @@ from ckptool.core.view import Entry as HfTensor
 from ckptool.core.view import remap, stored_box
 from converters.schemas.hf import (
     CONFIG,
-    CONFIG_KEY,
-    FAMILY_KEY,
+    HfModel,
     config_for,
     family_of,
     family_of_config,
@@ -114,8 +112,8 @@ class HfReader(Reader):
         if view.missing:
             raise BadCheckpoint(f"{len(view.missing)} tensors of a {family} model are missing, e.g. "
                                 f"{', '.join(view.missing[:3])}", path=store.url)
-        stored.objects[CONFIG_KEY] = view.index.objects[CONFIG_KEY] = ObjectInfo(CONFIG_KEY, value=config)
-        stored.objects[FAMILY_KEY] = view.index.objects[FAMILY_KEY] = ObjectInfo(FAMILY_KEY, value=family)
+        stored.set_layout(HfModel(config, family))
+        view.index.set_layout(HfModel(config, family))
         return stored, view.index, table
 
     def _weight_map(self, store: Store) -> dict[str, str]:
@@ -224,8 +222,8 @@ class HfWriter(Writer):
         return Topology()
 
     def bind(self, opened) -> None:
-        obj = opened.index.objects.get(CONFIG_KEY)
-        self._config = obj.value if obj is not None else None
+        model = opened.index.layout(HfModel)
+        self._config = model.config if model is not None else None
 
     def source_schema(self, opened) -> str:
         return NAME

@@ -19,6 +19,7 @@ from ckptool.core.index import (
 )
 from ckptool.core.regions import Region
 from ckptool.core.storage import Store
+from converters.megatron import distopt
 from converters.megatron import optimizer as optim
 from converters.schemas.megatron import tracked_dir
 from converters.schemas.megatron_args import spec_from_args
@@ -92,7 +93,7 @@ def read_common(reader: Reader, store: Store, rel: str, index: CheckpointIndex,
     model, the canonical entries, the rest as ``common.*`` objects; then the optimizer.
 
     Call it after the tensors are indexed: the non-distributed optimizer's step and param
-    groups (common.pt's ``optimizer``) become the :data:`optim.LAYOUT_KEY` object only when
+    groups (common.pt's ``optimizer``) become the :class:`optim.Layout` record only when
     the ``optimizer.*`` tensors are exactly its model-shaped state; otherwise
     ``index.unmapped`` says why, and every writer refuses the state unless it is dropped.
     A distributed optimizer's entry (it says ``param_state_sharding_type``) goes to
@@ -110,14 +111,14 @@ def read_common(reader: Reader, store: Store, rel: str, index: CheckpointIndex,
         _read_common_entries(common, index, source)
         if OPTIMIZER in common:  # after args: a distributed optimizer's layout needs them
             _read_optimizer(common[OPTIMIZER], index, source, distributed)
-    layout_ = index.objects.get(optim.LAYOUT_KEY)
-    if optim.DISTRIBUTED_KEY in index.objects:
-        layout_ = ObjectInfo(optim.LAYOUT_KEY, value=_EVERY_KIND)
+    layout_ = index.layout(optim.Layout)
+    if index.layout(distopt.Meta) is not None:
+        layout_ = _EVERY_KIND
     if index.unmapped is None:
-        index.unmapped = optim.check_tensors(index, layout_.value if layout_ else None, source)
+        index.unmapped = optim.check_tensors(index, layout_, source)
     if index.unmapped is not None:
-        index.objects.pop(optim.LAYOUT_KEY, None)
-        index.objects.pop(optim.DISTRIBUTED_KEY, None)
+        index.drop_layout(optim.Layout)
+        index.drop_layout(distopt.Meta)
 
 
 _EVERY_KIND = optim.Layout(True, {}, None, [], {})
@@ -149,8 +150,7 @@ def _read_optimizer(value, index: CheckpointIndex, source: str, distributed=None
                 "param_state_sharding_type" in value:
             distributed(value, index, source)
             return
-        index.objects[optim.LAYOUT_KEY] = ObjectInfo(
-            optim.LAYOUT_KEY, value=optim.read_sharded_common(value, source))
+        index.set_layout(optim.read_sharded_common(value, source))
     except UnreadableInput as exc:
         index.unmapped = exc.message
         index.objects[OPTIMIZER_COMMON] = ObjectInfo(OPTIMIZER, value=value)

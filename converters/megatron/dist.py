@@ -41,6 +41,7 @@ from ckptool.core.regions import Shard
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from converters.megatron import dist_distopt as dist_distopt
+from converters.megatron import distopt
 from converters.megatron import optimizer as optim
 from converters.megatron.common import (
     CANONICAL_COMMON,
@@ -157,8 +158,8 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         if self._from_deepspeed:
             notes.append(self._from_deepspeed.note)
         if self._distributed is not None:
-            source = index.objects.get(dist_distopt.SHARDING_KEY)
-            was = f"'{source.value}' in the source" if source else "distrib_optim.pt in the source"
+            source = index.layout(distopt.Meta).sharding
+            was = f"'{source}' in the source" if source else "distrib_optim.pt in the source"
             notes.append(f"the distributed optimizer's state is written in Megatron-Core's "
                          f"'{dist_distopt.WRITTEN}' form ({was}): model-shaped, so megatron-core "
                          "loads it at any TP/PP/DP; common.pt's content_metadata says "
@@ -171,9 +172,9 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
     def unsupported_state(self, index) -> str | None:
         if index.unmapped or not any(k.startswith(canon.PREFIX) for k in index.tensors):
             return index.unmapped
-        if optim.DISTRIBUTED_KEY in index.objects:
+        if index.layout(distopt.Meta) is not None:
             return None
-        if optim.LAYOUT_KEY not in index.objects and optim.deepspeed_groups(index) is None:
+        if index.layout(optim.Layout) is None and optim.deepspeed_groups(index) is None:
             return (f"the {index.format} source's optimizer state is not a Megatron optimizer's "
                     "(no param groups and step to write into common.pt)")
         return None
@@ -189,12 +190,11 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         files = []
         self._shapes = {}
         self._target = (spec, topo)
-        optimizer = index.objects.get(optim.LAYOUT_KEY) if with_optimizer else None
+        optimizer = index.layout(optim.Layout) if with_optimizer else None
         self._from_deepspeed = optim.deepspeed_state(index, self._schedule, with_optimizer)
-        self._optimizer = optimizer.value if optimizer else \
+        self._optimizer = optimizer if optimizer else \
             self._from_deepspeed.layout if self._from_deepspeed else None
-        distributed = index.objects.get(optim.DISTRIBUTED_KEY) if with_optimizer else None
-        self._distributed = distributed.value if distributed else None
+        self._distributed = index.layout(distopt.Meta) if with_optimizer else None
         kinds = optim.state_kinds(self._optimizer) if self._optimizer else ()
         state_name = canon.state_key
         if self._distributed is not None:  # every parameter has an fp32 master

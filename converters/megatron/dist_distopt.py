@@ -40,18 +40,15 @@ import torch
 
 from ckptool.core import optimizer as canon
 from ckptool.core.errors import UnreadableInput
-from ckptool.core.index import CheckpointIndex, Location, ObjectInfo, Piece, TensorInfo
+from ckptool.core.index import CheckpointIndex, Location, Piece, TensorInfo
 from ckptool.core.layout import ModelSpec
 from ckptool.core.regions import Region
 from converters.megatron import distopt
-from converters.megatron import optimizer as optim
 from converters.schemas.megatron_args import source_dtype
 
 DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
 WRITTEN = FULLY_RESHARDABLE
 """The form ckptool writes: model-shaped, so mcore loads it at any TP/PP/DP."""
-SHARDING_KEY = "megatron.optimizer.sharding"
-"""Object: the sharding type the source's state was saved in."""
 CONTENT_METADATA = "content_metadata"
 SHARDING_FIELD = "distrib_optim_sharding_type"
 FLAT_TAG = "flat-slice"
@@ -97,9 +94,7 @@ def read(value: dict, index: CheckpointIndex, source: str, read_object) -> None:
             keys = {}  # unknown: a writer that needs it (distrib_optim.pt) says so
     else:
         state, keys = _read_buckets(index, spec, args, source, read_object)
-    index.objects[optim.DISTRIBUTED_KEY] = ObjectInfo(optim.DISTRIBUTED_KEY,
-                                                      value=distopt.Meta(keys, state))
-    index.objects[SHARDING_KEY] = ObjectInfo(SHARDING_KEY, value=sharding)
+    index.set_layout(distopt.Meta(keys, state, sharding))
 
 
 def common_entry(meta: distopt.Meta) -> dict:

@@ -83,12 +83,15 @@ class Buffer:
 
 @dataclass(slots=True)
 class Meta:
-    """What a writer needs besides the tensors (kept in the index as an object)."""
+    """The layout record of a distributed optimizer's source: what a writer needs besides
+    the tensors."""
 
     keys: dict[torch.dtype, tuple]
     """Parameter dtype -> the file's ``(param_dtype, grad_dtype)`` key."""
     state: dict
     """``model_optim_rng.pt["optimizer"]``: param groups (with the step), grad scaler."""
+    sharding: str | None = None
+    """The ``torch_dist`` source's ``param_state_sharding_type``; None for ``distrib_optim.pt``."""
 
 
 @dataclass(frozen=True, slots=True)

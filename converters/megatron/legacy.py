@@ -60,12 +60,6 @@ from converters.schemas.megatron_ranks import add_piece as _add_piece
 from converters.schemas.megatron_ranks import check_legacy_schema as _check_schema
 
 EXTRA = "_extra_state"
-SCHEMA_KEY = "megatron.schema"
-OPTIMIZER_KEY = "megatron.optimizer"
-"""Why the source's optimizer state cannot be carried (absent when it can, or there is none)."""
-OPTIMIZER_LAYOUT_KEY = optim.LAYOUT_KEY
-DISTOPT_KEY = optim.DISTRIBUTED_KEY
-"""The distributed optimizer's non-tensor state (:class:`megatron_distopt.Meta`)."""
 MODEL_PATH = "@model"
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
                        "mlp.linear_fc2")
@@ -102,6 +96,20 @@ def checkpoint_dir(store: Store) -> str:
     if iters:
         return iters[-1]
     raise UnreadableInput("no Megatron rank directories found", path=store.url)
+
+
+@dataclass(frozen=True)
+class Names:
+    """The layout record of a legacy Megatron source: the tensor-name schema of its rank
+    files (``mcore-local``, ``mcore-te``, ``legacy``)."""
+
+    schema: str
+
+
+def _unmappable(index: CheckpointIndex, reason: str) -> None:
+    """Record why the source's optimizer state cannot be carried (the first reason found)."""
+    if index.unmapped is None:
+        index.unmapped = reason
 
 
 @dataclass
@@ -178,7 +186,8 @@ class MegatronReader(TorchFileReader):
                 flat = _flatten(data[chunk_key])
                 schema = detect_schema(flat)
                 _check_schema(schema, spec, version, store.display(f.rel))
-                index.objects.setdefault(SCHEMA_KEY, ObjectInfo(SCHEMA_KEY, value=schema))
+                if index.layout(Names) is None:
+                    index.set_layout(Names(schema))
                 layers = stages[f.pp][chunk]
                 for local_name, value in flat.items():
                     if local_name.endswith(EXTRA):
@@ -191,10 +200,9 @@ class MegatronReader(TorchFileReader):
                     mapped[f"{chunk_key}/{local_name}"] = (canonical, replica, tuple(value.shape),
                                                            value.dtype)
             self._read_optimizer(store, index, f, data, mapped, params, padded, topo)
-        if OPTIMIZER_KEY in index.objects:  # nothing half-mapped: the reason says why
-            index.unmapped = index.objects[OPTIMIZER_KEY].value
-            index.objects.pop(OPTIMIZER_LAYOUT_KEY, None)
-            index.objects.pop(DISTOPT_KEY, None)
+        if index.unmapped is not None:  # nothing half-mapped: the reason says why
+            index.drop_layout(optim.Layout)
+            index.drop_layout(distopt.Meta)
             for key in [k for k in index.tensors if k.startswith(canon.PREFIX)]:
                 del index.tensors[key]
         for key, info in index.tensors.items():
@@ -210,7 +218,7 @@ class MegatronReader(TorchFileReader):
                 self._read_distributed_optimizer(store, index, f, rel, data, mapped, params,
                                                  padded, topo)
             except UnreadableInput as exc:
-                index.objects.setdefault(OPTIMIZER_KEY, ObjectInfo(OPTIMIZER_KEY, value=exc.one_line()))
+                _unmappable(index, exc.one_line())
             return
         if not data.get("optimizer"):
             return
@@ -219,7 +227,7 @@ class MegatronReader(TorchFileReader):
             layout_ = optim.read(data["optimizer"], names, store.display(f.rel),
                                  self._load(store, f.rel).materialize)
         except UnreadableInput as exc:
-            index.objects.setdefault(OPTIMIZER_KEY, ObjectInfo(OPTIMIZER_KEY, value=exc.message))
+            _unmappable(index, exc.message)
             return
         for name, paths in layout_.tensors.items():
             canonical, replica, _, _ = mapped[name]
@@ -227,14 +235,13 @@ class MegatronReader(TorchFileReader):
                 ref = _resolve(data, path)
                 _add_piece(index, params, canonical, replica, f, path, ref, padded, topo, store,
                            key=canon.state_key(kind, canonical))
-        saved = index.objects.get(OPTIMIZER_LAYOUT_KEY)
+        saved = index.layout(optim.Layout)
         meta = optim.Layout(layout_.fp16, {}, layout_.step, layout_.hyper,
                             self._load(store, f.rel).materialize(layout_.extra))
         if saved is None:
-            index.objects[OPTIMIZER_LAYOUT_KEY] = ObjectInfo(OPTIMIZER_LAYOUT_KEY, value=meta)
-        elif saved.value.step != meta.step or saved.value.fp16 != meta.fp16:
-            index.objects.setdefault(OPTIMIZER_KEY, ObjectInfo(
-                OPTIMIZER_KEY, value="optimizer state that differs between ranks (step or kind)"))
+            index.set_layout(meta)
+        elif saved.step != meta.step or saved.fp16 != meta.fp16:
+            _unmappable(index, "optimizer state that differs between ranks (step or kind)")
 
     def _read_distributed_optimizer(self, store, index, f, rel, data, mapped, params, padded,
                                     topo) -> None:
@@ -245,7 +252,7 @@ class MegatronReader(TorchFileReader):
         index.files[rel] = 1
         args = index.objects["args"].value
         spec = ModelSpec(**index.model_config)
-        schema = index.objects[SCHEMA_KEY].value
+        schema = index.layout(Names).schema
         entries = [(uname.split("/", 1)[0], uname, canonical, math.prod(shape), dtype)
                    for uname, (canonical, _, shape, dtype) in mapped.items()]  # the file's order
         for chunk_key in dict.fromkeys(e[0] for e in entries):
@@ -267,15 +274,15 @@ class MegatronReader(TorchFileReader):
                                padded, topo, store, key=canon.state_key(kind, canonical),
                                file=rel, base=offset)
         meta = distopt.Meta({k[0]: k for k in keys}, self._load(store, f.rel).materialize(state))
-        saved = index.objects.get(DISTOPT_KEY)
+        saved = index.layout(distopt.Meta)
         if saved is None:
-            index.objects[DISTOPT_KEY] = ObjectInfo(DISTOPT_KEY, value=meta)
-        elif _steps(saved.value.state) != _steps(meta.state) or any(
-                saved.value.keys.get(d, k) != k for d, k in meta.keys.items()):
+            index.set_layout(meta)
+        elif _steps(saved.state) != _steps(meta.state) or any(
+                saved.keys.get(d, k) != k for d, k in meta.keys.items()):
             raise UnreadableInput("ranks disagree on the optimizer step or grad buffer dtypes",
                                   path=source)
         else:
-            saved.value.keys.update(meta.keys)
+            saved.keys.update(meta.keys)
 
     def resolve(self, obj: Any, path: tuple) -> Any:
         return _resolve(obj, path)
@@ -413,8 +420,8 @@ class MegatronWriter(UnevenStages, Writer):
         return notes
 
     def source_schema(self, opened) -> str:
-        obj = opened.index.objects.get(SCHEMA_KEY) if opened.format == NAME else None
-        return obj.value if obj else "mcore-local"
+        names = opened.index.layout(Names)  # a legacy Megatron source's
+        return names.schema if names else "mcore-local"
 
     def plan(self, index: CheckpointIndex, topo: Topology, spec: ModelSpec,
              schema: str = "mcore-local", with_optimizer: bool = True) -> list[TargetFile]:
@@ -422,11 +429,11 @@ class MegatronWriter(UnevenStages, Writer):
             raise UsageError("pre-mcore (legacy) names cannot express grouped-query attention here",
                              hint="Use --megatron-names mcore-local or mcore-te")
         it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)
-        optim_layout = index.objects.get(OPTIMIZER_LAYOUT_KEY) if with_optimizer else None
+        optim_layout = index.layout(optim.Layout) if with_optimizer else None
         self._from_deepspeed = optim.deepspeed_state(index, self._schedule, with_optimizer)
-        optim_layout = optim_layout.value if optim_layout else \
+        optim_layout = optim_layout if optim_layout else \
             self._from_deepspeed.layout if self._from_deepspeed else None
-        distributed = index.objects.get(DISTOPT_KEY) if with_optimizer else None
+        distributed = index.layout(distopt.Meta) if with_optimizer else None
         files = []
         # the dtypes matter only to lay out the distributed optimizer's buffers
         dtype_of = (lambda t: source_dtype(index, _key(t))) if distributed else (lambda t: None)
@@ -436,7 +443,7 @@ class MegatronWriter(UnevenStages, Writer):
                                 context=RankFile(
                                     rank.tp, rank.pp, schema, spec, topo, optim_layout,
                                     self._from_deepspeed.scheduler if self._from_deepspeed else None,
-                                    distributed.value.state if distributed else None))
+                                    distributed.state if distributed else None))
             named = rank.named()
             for chunk, name, t in named:
                 chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
@@ -448,7 +455,7 @@ class MegatronWriter(UnevenStages, Writer):
                 target.tensors.append(TargetTensor((chunk_key, name), t.shard, source_dtype(index, _key(t))))
             if distributed is not None:
                 files.append(self._distopt_file(f"{rank_path}/{DISTRIB_OPTIM}", index, rank,
-                                                distributed.value, topo))
+                                                distributed, topo))
             if optim_layout is not None:
                 for chunk, name, t in named:
                     chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"

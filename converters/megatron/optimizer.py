@@ -33,6 +33,7 @@ from ckptool.core.errors import UnreadableInput, UsageError
 from ckptool.core.optimizer import (
     KINDS,
     PREFIX,
+    ParamGroups,
     decay_groups,
     no_decay,
     split_key,
@@ -40,18 +41,14 @@ from ckptool.core.optimizer import (
     torch_state_dict,
 )
 
-LAYOUT_KEY = "megatron.optimizer.layout"
-"""Canonical object of both Megatron formats: the optimizer's non-tensor state, a
-:class:`Layout` without tensors."""
-DISTRIBUTED_KEY = "megatron.optimizer.distributed"
-"""The legacy reader's object for a distributed optimizer (``distrib_optim.pt``)."""
 COMMON_STEP = "common_step"
 """Where ``sharded_state_dict`` keeps the step shared by every parameter."""
 
 
 @dataclass
 class Layout:
-    """What one rank file's optimizer state holds, by local parameter name."""
+    """What one rank file's optimizer state holds, by local parameter name; without tensors,
+    the layout record of both Megatron formats' sources: the optimizer's non-tensor state."""
 
     fp16: bool
     """Float16OptimizerWithFloat16Params (fp32 masters stored separately)."""
@@ -256,10 +253,6 @@ _STYLES = {"lr_decay_style": ("constant", "linear", "cosine", "inverse-square-ro
 _SCHEDULE_HINT = (f"Pass {SCHEDULE_FLAG} " + ",".join(f"{k}=..." for k in SCHEDULE)
                   + " (the OptimizerParamScheduler values of the Megatron job that resumes, "
                     "steps in samples), or --drop-optimizer")
-_DEEPSPEED_GROUPS = ("deepspeed.layout", "deepspeed.pipeline")
-"""Index objects of the DeepSpeed reader (:mod:`converters.deepspeed.zero`'s ``LAYOUT_KEY`` and
-``PIPELINE_KEY``), read here by their fields only: ``groups`` (param groups of
-``(name, shape)``; per model-parallel rank for a pipeline), ``hyper`` and ``steps``."""
 MEGATRON_GROUP = {"is_expert_parallel": False, "default_config": True, "lr_mult": 1.0,
                   "is_decoupled_lr": False}
 """What Megatron-Core 0.16's ``_get_param_groups`` puts in each group of a dense model
@@ -311,21 +304,14 @@ class FromDeepSpeed:
 def deepspeed_groups(index) -> tuple[list[list[tuple[str, tuple]]], list[dict], list] | None:
     """The source's DeepSpeed param groups (every model-parallel rank's), hyperparameters and
     steps per group; None when the index holds no DeepSpeed optimizer."""
-    for key in _DEEPSPEED_GROUPS:
-        obj = index.objects.get(key)
-        if obj is None:
-            continue
-        value = obj.value
-        source = getattr(value, "optim", value)  # a pipeline keeps rank 0's optimizer entries apart
-        if source is None or not getattr(source, "hyper", None):
-            return None
-        ranks = value.groups if isinstance(value.groups, dict) else {0: value.groups}
-        if any(len(g) != len(source.hyper) for g in ranks.values()):
-            raise UsageError("model-parallel ranks of the DeepSpeed source have different numbers "
-                             "of param groups", path=index.url)
-        members = [[p for g in ranks.values() for p in g[i]] for i in range(len(source.hyper))]
-        return members, list(source.hyper), list(source.steps)
-    return None
+    found = index.layout(ParamGroups)  # what the DeepSpeed readers record
+    if found is None:
+        return None
+    if any(len(g) != len(found.hyper) for g in found.ranks.values()):
+        raise UsageError("model-parallel ranks of the DeepSpeed source have different numbers "
+                         "of param groups", path=index.url)
+    members = [[p for g in found.ranks.values() for p in g[i]] for i in range(len(found.hyper))]
+    return members, list(found.hyper), list(found.steps)
 
 
 def deepspeed_state(index, schedule: dict | None, with_optimizer: bool) -> FromDeepSpeed | None:

@@ -169,7 +169,7 @@ def _refuse_optimizer(index: CheckpointIndex) -> None:
     found = next((k for k in index.tensors if k.startswith(f"{OPTIMIZER}.")), None)
     if found is None and index.unmapped is None:  # read_common: no layout without tensors
         return
-    index.objects.pop(optim.LAYOUT_KEY, None)
+    index.drop_layout(optim.Layout)
     why = f": {index.unmapped}" if index.unmapped else f" (e.g. {found})"
     index.unmapped = f"optimizer state in Megatron-Core zarr checkpoints is not read yet{why}"
 

@@ -19,12 +19,12 @@ both use it, so a quirk is written once:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from ckptool.core.errors import UnreadableInput, UsageError
-from ckptool.core.index import CheckpointIndex, ObjectInfo
+from ckptool.core.index import CheckpointIndex
 from ckptool.core.layout import (
     FINAL_NORM,
     OUTPUT_LAYER,
@@ -37,8 +37,16 @@ from ckptool.core.view import Entry as HfTensor
 from ckptool.core.view import remap
 
 CONFIG = "config.json"
-CONFIG_KEY = "hf.config"
-FAMILY_KEY = "hf.family"
+
+
+@dataclass(frozen=True)
+class HfModel:
+    """The layout record of a source whose tensors are a Hugging Face model's (the hf
+    reader's index, or a DeepSpeed module's canonical view): its ``config.json`` and family."""
+
+    config: dict
+    family: str
+
 FAMILIES = ("llama", "gpt2")
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "gpt2": "gpt2"}
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
@@ -390,10 +398,10 @@ def refuse_uncarried_config(index: CheckpointIndex, target: str) -> None:
     """Refuse (UsageError, exit 2) to write ``target`` output from a source whose HF config
     (the ``hf.config`` object an hf reader or a DeepSpeed HF-model view puts in the index) has
     a field the output would lose although it changes the math; see the rule above."""
-    config, family = index.objects.get(CONFIG_KEY), index.objects.get(FAMILY_KEY)
-    if config is None or family is None or not isinstance(config.value, dict):
+    model = index.layout(HfModel)
+    if model is None or not isinstance(model.config, dict):
         return
-    lost = uncarried_field(config.value, family.value, target)
+    lost = uncarried_field(model.config, model.family, target)
     if lost is not None:
         name, value, hint = lost
         raise UsageError(f"config.json field {name}={_short(value)} is not carried to {target} "
@@ -435,11 +443,10 @@ def named_view(index: CheckpointIndex, config: dict, family: str | None, where: 
                          hint="Only Hugging Face llama and gpt2 models are mapped")
     out = view.index
     out.model_config, out.true_vocab_size = asdict(spec), spec.vocab_size
-    out.objects[CONFIG_KEY] = ObjectInfo(CONFIG_KEY, value=config)
-    out.objects[FAMILY_KEY] = ObjectInfo(FAMILY_KEY, value=family)
+    out.set_layout(HfModel(config, family))
     return out
 
 
-__all__ = ["CONFIG", "CONFIG_KEY", "FAMILY_KEY", "FAMILIES", "KEEPS_CONFIG", "hf_tensors", "family_of",
+__all__ = ["CONFIG", "HfModel", "FAMILIES", "KEEPS_CONFIG", "hf_tensors", "family_of",
            "tied_aliases", "spec_from_config", "config_for", "family_of_config", "named_view",
            "uncarried_field", "refuse_uncarried_config"]
