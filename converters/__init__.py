@@ -47,6 +47,7 @@ WRITERS = {
 VARIANTS = {
     "deepspeed": ("converters.deepspeed.pipe:PipelineWriter",
                   "converters.deepspeed.from_hf:HfModelWriter"),
+    "hf": ("converters.hf.stored:StoredNamesWriter",),
 }
 """Writers of a format for particular sources, tried in order before its own (``WRITERS``):
 each one's ``serves(index)`` says whether it writes that source. The format's own writer

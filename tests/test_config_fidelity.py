@@ -127,19 +127,27 @@ def test_transformers_saves_what_the_guard_reads(hf_models):
     assert cfg("partial-rotary")["rope_parameters"]["partial_rotary_factor"] == 0.5
 
 
-@pytest.mark.parametrize("target", ["megatron", "megatron-dist", "dcp"])
-def test_llama3_rope_scaling_is_refused_where_the_output_would_lose_it(hf_models, tmp_path, run_cli,
-                                                                       target):
+@pytest.mark.parametrize("target", ["megatron", "megatron-dist"])
+def test_llama3_rope_scaling_megatron_cannot_run_is_refused(hf_models, tmp_path, run_cli, target):
+    """Megatron runs Llama 3.1 scaling only with its fixed factors (original context 8192):
+    this model's (16) is refused, naming it, rather than written as another model."""
     dst = tmp_path / "out"
     r = run_cli("convert", hf_models["llama3"], dst, "--to", target)
-    assert_refused(r, dst, "config.json field rope_parameters={")
-    assert "'rope_type': 'llama3'" in r.err and f"not carried to {target} output" in r.err
-    assert "--to deepspeed or --to hf keeps it" in r.err
+    assert_refused(r, dst, "original_max_position_embeddings=16, which Megatron output cannot express")
+    assert "Convert to dcp, hf or deepspeed" in r.err
+
+
+def test_llama3_rope_scaling_is_carried_by_dcp(hf_models, tmp_path, run_cli):
+    """dcp carries the model's features in its manifest: back to hf with the same logits."""
+    mid, back = tmp_path / "dcp", tmp_path / "back"
+    assert run_cli("convert", hf_models["llama3"], mid, "--to", "dcp").code == 0
+    assert run_cli("convert", mid, back, "--to", "hf").code == 0
+    assert json.loads((back / "config.json").read_text())["rope_parameters"] == \
+        json.loads((hf_models["llama3"] / "config.json").read_text())["rope_parameters"]
+    assert (logits(back) - logits(hf_models["llama3"])).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("case,target,field,value", [
-    ("mistral-window", "megatron", "sliding_window", "4"),
-    ("mistral-window", "hf", "sliding_window", "4"),  # the hf output is a llama config: no window
     ("attention-bias", "megatron", "attention_bias", "True"),
     ("attention-bias", "hf", "attention_bias", "True"),  # the llama table has no bias tensors
     ("attention-bias", "deepspeed", "attention_bias", "True"),
@@ -155,21 +163,24 @@ def test_math_changing_fields_of_real_configs_are_refused(hf_models, tmp_path, r
 
 
 @pytest.mark.parametrize("changes,field", [
-    # Llama 3.1's config.json as the Hub has it (transformers 4 layout)
-    (dict(rope_parameters=None, rope_theta=500000.0, rope_scaling=LLAMA3), "rope_scaling={"),
-    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling={'type': 'linear'"),
+    # Llama 3.1's config.json as the Hub has it (transformers 4 layout), with factors
+    # Megatron-Core cannot run: the feature is named
+    (dict(rope_parameters=None, rope_theta=500000.0, rope_scaling=LLAMA3),
+     "original_max_position_embeddings=16, which Megatron output cannot express"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling=linear, which Megatron"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
     (dict(my_new_feature=3), "my_new_feature=3"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(mlp_bias=True), "mlp_bias=True"),
     (dict(sliding_window=16), "sliding_window=16"),
-    (dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=True"),
+    (dict(use_sliding_window=True, sliding_window=16), "sliding_window=16"),
     (dict(layer_types=["sliding_attention", "full_attention"]), "layer_types=["),
 ])
 def test_edited_configs_are_refused_naming_the_field(hf_models, tmp_path, run_cli, changes, field):
     src = edit_config(hf_models["llama"], tmp_path / "src", **changes)
     dst = tmp_path / "out"
-    assert_refused(run_cli("convert", src, dst, "--to", "megatron"), dst, f"config.json field {field}")
+    what = field if "Megatron" in field else f"config.json field {field}"
+    assert_refused(run_cli("convert", src, dst, "--to", "megatron"), dst, what)
 
 
 def test_unknown_field_is_carried_where_config_json_is_kept(hf_models, tmp_path, run_cli):
@@ -205,7 +216,7 @@ def test_llama3_scaling_survives_hf_and_deepspeed_round_trips(hf_models, tmp_pat
     # deepspeed (HF names + config.json) to a format that keeps only the ModelSpec: refused
     dst = tmp_path / "mg"
     assert_refused(run_cli("convert", ds, dst, "--to", "megatron"), dst,
-                   "config.json field rope_parameters=")
+                   "original_max_position_embeddings=16, which Megatron output cannot express")
 
 
 def test_no_op_fields_convert_with_the_same_logits(hf_models, tmp_path, run_cli):
@@ -253,8 +264,8 @@ def legacy(tmp_path_factory):
 
 RANK0 = Path("iter_0000010") / "mp_rank_00" / "model_optim_rng.pt"
 
-MATH_ARGS = [("use_rope_scaling", True), ("window_size", (4, 0)), ("add_qkv_bias", True),
-             ("qk_layernorm", True), ("rotary_percent", 0.5), ("apply_layernorm_1p", True),
+MATH_ARGS = [("window_size", (4, 2)), ("window_attn_skip_freq", 2), ("rotary_percent", 0.5),
+             ("apply_layernorm_1p", True),
              ("apply_residual_connection_post_layernorm", True), ("num_experts", 8),
              ("multi_latent_attention", True), ("rotary_interleaved", True), ("squared_relu", True),
              ("position_embedding_type", "none")]
@@ -307,9 +318,13 @@ def test_megatron_outputs_keep_the_args_so_reshard_and_inspect_work(legacy, tmp_
     assert r.code == 0, r.err
     common = torch.load(dist / "iter_0000010" / "common.pt", weights_only=False)
     assert common["args"].use_rope_scaling is True
-    # ... and that megatron-dist copy still cannot go to hf
+    # ... and that megatron-dist copy goes to hf with the scaling Megatron runs (llama3, factor 8)
     dst = tmp_path / "hf"
-    assert_refused(run_cli("convert", dist, dst, "--to", "hf"), dst, "Megatron arg use_rope_scaling=True")
+    r = run_cli("convert", dist, dst, "--to", "hf")
+    assert r.code == 0, r.err
+    assert json.loads((dst / "config.json").read_text())["rope_parameters"] == {
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 # ------------------------------------------------- --model-family on the HF side

@@ -40,11 +40,17 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("stage", STAGES)
 def test_deepspeed_to_hf_loads_with_the_same_logits(runs, run_cli, tmp_path, family, stage):
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
     src, out = runs / f"{family}_z{stage}", tmp_path / "hf"
     res = run_cli("convert", src, out, "--to", "hf", "--dtype", "fp32")
     assert res.code == 0, res.err
+    assert_is_the_trained_module(out, src, family)
+
+
+def assert_is_the_trained_module(out, src, family: str):
+    """The HF model at ``out`` loads strictly, gives the DeepSpeed module's logits, and its
+    weights are bit-equal to DeepSpeed's own zero_to_fp32; returns it."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
     model = load_hf(out, attn_implementation="eager")
     vocab = H.HF_CONFIGS[family]["vocab_size"]
     with torch.no_grad():
@@ -52,8 +58,10 @@ def test_deepspeed_to_hf_loads_with_the_same_logits(runs, run_cli, tmp_path, fam
     assert (logits - torch.load(f"{src}.logits.pt")).abs().max() < 1e-5
     theirs = get_fp32_state_dict_from_zero_checkpoint(str(src))
     ours = model.state_dict()
+    assert set(theirs) <= set(ours)
     for name, value in theirs.items():
         assert torch.equal(ours[name], value), name
+    return model
 
 
 @pytest.mark.parametrize("stage", (2, 3))
@@ -123,3 +131,32 @@ def test_without_a_config_the_error_says_what_to_pass(runs, run_cli, tmp_path):
     wrong.write_text((runs / "gpt2_z1" / "config.json").read_text())
     res = run_cli("convert", src, tmp_path / "hf3", "--to", "hf", "--model-config", wrong)
     assert res.code == 2 and "not a gpt2 model's" in res.err, res.err
+
+
+@pytest.fixture(scope="module")
+def untabled(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds_hf_any")
+    H.save_hf(root, [("phi3", 2, "fp32"), ("gemma", 3, "fp32")])
+    return root
+
+
+@pytest.mark.parametrize("family,stage", [("phi3", 2), ("gemma", 3)])
+def test_any_architecture_exports_to_hf_as_zero_to_fp32_does(untabled, run_cli, tmp_path, family, stage):
+    """A DeepSpeed run of an HF model ckptool has no table for (Phi-3, Gemma): the HF export
+    keeps the module's names and config.json, bit-equal to zero_to_fp32, with the module's
+    logits; a layout change that needs the table is refused, naming it."""
+    src, out = untabled / f"{family}_z{stage}", tmp_path / "hf"
+    res = run_cli("convert", src, out, "--to", "hf", "--dtype", "fp32")
+    assert res.code == 0, res.err
+    assert "has no table for model_type" in res.out + res.err
+    model = assert_is_the_trained_module(out, src, family)
+    assert type(model).__name__ == {"phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM"}[family]
+    for target, says in (("megatron", f"no family table for model_type '{family}'"),
+                         ("dcp", "cannot lay the model out for dcp"),
+                         # phi3's fused tensors have no place in llama's table; gemma's names
+                         # are llama's, but its config (GELU, 1 + w norms) is refused
+                         ("hf --model-family llama", "llama")):
+        dst = tmp_path / "refused"
+        res = run_cli("convert", src, dst, "--to", *target.split())
+        assert res.code == 2 and says in res.err and "Traceback" not in res.err, res.err
+        assert not dst.exists()

@@ -76,6 +76,25 @@ class ModelSpec:
     activation: str = "gelu"
     """MLP activation without gating: ``gelu`` (erf) or ``gelu_tanh`` (Megatron
     ``--openai-gelu``, GPT-2's ``gelu_new``). With ``swiglu`` it is SiLU."""
+    # Features beyond the GPT/Llama core: each is off by default, is carried by every
+    # output that can express it, and is refused (named) by one that cannot.
+    qkv_bias: bool = False
+    """A bias on the fused QKV projection only (Megatron ``add_qkv_bias``, Qwen2); with
+    ``add_bias`` every linear layer has one."""
+    qk_layernorm: bool = False
+    """A norm of each query and key head over ``head_dim`` before RoPE (Megatron
+    ``qk_layernorm``, Qwen3's ``q_norm``/``k_norm``): ``self_attention.q_layernorm`` and
+    ``k_layernorm``, replicated."""
+    window_size: int | None = None
+    """Sliding-window attention on every layer: a query attends to the ``window_size`` keys
+    ending at its own position (HF ``sliding_window``; Megatron ``window_size`` =
+    ``(window_size - 1, 0)``). None: full causal attention."""
+    rope_scaling: str | None = None
+    """RoPE frequency scaling: None, or ``llama3`` (Llama 3.1+) with the factors below."""
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
 
     @property
     def global_vocab_rows(self) -> int:
@@ -126,6 +145,13 @@ def layer_params(spec: ModelSpec, i: int) -> list[Param]:
         Param(p + "mlp.linear_fc1.weight", (fc1_rows, h), GATED if spec.swiglu else COLUMN),
         Param(p + "mlp.linear_fc2.weight", (h, spec.ffn), ROW),
     ]
+    if spec.qk_layernorm:  # over head_dim, the same for every head: replicated
+        for x in "qk":
+            params.append(Param(p + f"self_attention.{x}_layernorm.weight", (d,), REPLICATED))
+            if spec.normalization == "LayerNorm":
+                params.append(Param(p + f"self_attention.{x}_layernorm.bias", (d,), REPLICATED))
+    if spec.qkv_bias and not spec.add_bias:
+        params.append(Param(p + "self_attention.linear_qkv.bias", (qkv_rows,), COLUMN))
     if spec.add_bias:
         params += [
             Param(p + "self_attention.linear_qkv.bias", (qkv_rows,), COLUMN),

@@ -29,7 +29,8 @@ class HfModelWriter(DeepSpeedWriter):
 
     @classmethod
     def serves(cls, index: CheckpointIndex) -> bool:
-        return index.layout(Layout) is None and index.layout(HfModel) is not None
+        model = index.layout(HfModel)
+        return index.layout(Layout) is None and model is not None and model.family is not None
 
     def engine_layout(self, index: CheckpointIndex, source: Topology, target: Topology) -> Layout:
         return _hf_layout(index, target, self.param_groups or "decay")

@@ -35,7 +35,7 @@ from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import TensorRef
 from ckptool.core.torchreader import TorchFileReader
-from converters.schemas.hf import CONFIG, named_view
+from converters.schemas.hf import CONFIG, known_family, named_view, stored_view
 
 MARK = "ckptool"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -258,6 +258,9 @@ class ZeroReader(TorchFileReader):
             raise UnreadableInput("the model config is not valid JSON", path=where) from None
         if not isinstance(config, dict):
             raise UnreadableInput("the model config is not a JSON object", path=where)
+        if self.model_family is None and known_family(config) is None:
+            layout = index.layout(Layout)  # an architecture without a table: names kept
+            return stored_view(index, config, layout.shared if layout else {})
         kinds = ("fp32_param", *MOMENTS)
         return named_view(index, config, self.model_family, where,
                           ("", *(state_key(kind, "") for kind in kinds)))

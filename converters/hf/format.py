@@ -230,9 +230,7 @@ class HfWriter(Writer):
 
     def plan(self, index: CheckpointIndex, topo: Topology, spec: ModelSpec, schema: str,
              with_optimizer: bool = True) -> list[TargetFile]:
-        family = family_of(spec, self.model_family)
-        self._family, self._spec = family, spec
-        tensors = hf_tensors(spec, family, self._vocab)
+        tensors = self._tensors = self.model_tensors(index, spec)
         self._dtype = self.dtype or index.model_dtype or _common_dtype(index, tensors)
         shards = {t.name: _weights(index, t.shard) for t in tensors}
         groups: list[list[HfTensor]] = [[]]
@@ -276,13 +274,20 @@ class HfWriter(Writer):
             out.fsync()
         return out.size, out.hexdigest()
 
+    def model_tensors(self, index: CheckpointIndex, spec: ModelSpec) -> list[HfTensor]:
+        """The tensors written, with the canonical regions each holds: the family's table."""
+        self._family, self._spec = family_of(spec, self.model_family), spec
+        return hf_tensors(spec, self._family, self._vocab)
+
+    def config_json(self) -> dict:
+        return config_for(self._spec, self._family, self._vocab, self._dtype, self._config)
+
     def finalize(self, store: Store, index: CheckpointIndex) -> list[str]:
-        config = config_for(self._spec, self._family, self._vocab, self._dtype, self._config)
+        config = self.config_json()
         store.write_bytes(CONFIG, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
         written = [CONFIG]
         if len(set(self._weight_map.values())) > 1:
-            total = sum(math.prod(t.stored_shape) * self._dtype.itemsize
-                        for t in hf_tensors(self._spec, self._family, self._vocab))
+            total = sum(math.prod(t.stored_shape) * self._dtype.itemsize for t in self._tensors)
             body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self._weight_map.items()))}
             store.write_bytes(INDEX, (json.dumps(body, indent=2) + "\n").encode())
             written.append(INDEX)

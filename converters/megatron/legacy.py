@@ -425,8 +425,9 @@ class MegatronWriter(UnevenStages, Writer):
 
     def plan(self, index: CheckpointIndex, topo: Topology, spec: ModelSpec,
              schema: str = "mcore-local", with_optimizer: bool = True) -> list[TargetFile]:
-        if schema == "legacy" and spec.groups != spec.num_attention_heads:
-            raise UsageError("pre-mcore (legacy) names cannot express grouped-query attention here",
+        if schema == "legacy" and (spec.groups != spec.num_attention_heads or spec.qk_layernorm):
+            what = "QK norms" if spec.qk_layernorm else "grouped-query attention"
+            raise UsageError(f"pre-mcore (legacy) names cannot express {what} here",
                              hint="Use --megatron-names mcore-local or mcore-te")
         it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)
         optim_layout = index.layout(optim.Layout) if with_optimizer else None

@@ -82,6 +82,7 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
         norm_epsilon=float(_get(args, "norm_epsilon", _get(args, "layernorm_epsilon", 1e-5))),
         rotary_base=float(_get(args, "rotary_base", 10000)),
         activation="gelu_tanh" if _get(args, "openai_gelu", False) else "gelu",
+        **_features(args),
     )
     if true_vocab and spec.padded_vocab(tp) != padded:
         raise UnreadableInput(f"args say padded_vocab_size={padded}, but vocab {true_vocab} at TP{tp} "
@@ -91,6 +92,70 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
              max(1, int(_get(args, "world_size", tp * pp)) // (tp * pp)))
     topo = Topology(tp=tp, pp=pp, dp=dp, vpp=int(vpp or 1))
     return spec, topo, bool(true_vocab)
+
+
+MCORE_ROPE_SCALING = {"rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0,
+                      "rope_high_freq_factor": 4.0, "rope_original_max_positions": 8192}
+"""Llama 3.1 RoPE scaling as Megatron runs it (``--use-rope-scaling``): Megatron-Core's
+RotaryEmbedding fixes the low/high frequency factors and the original context, and
+Megatron-LM's model builder passes only ``rope_scaling`` (GPTModel's factor default, 8,
+applies whatever ``--rope-scaling-factor`` says). So only these values are written."""
+
+
+def _window(value) -> int | None:
+    """The window (tokens attended, the query's own included) of Megatron's ``window_size``
+    ``(left, right)``: ``(W - 1, 0)``; None for full attention or another form."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 and value[1] == 0 and \
+            isinstance(value[0], int) and value[0] >= 0:
+        return value[0] + 1
+    return None
+
+
+def _get_skip(args) -> int | None:
+    """``window_attn_skip_freq``: a window on some layers only (not one window per model)."""
+    return _get(args, "window_attn_skip_freq")
+
+
+def _features(args: argparse.Namespace) -> dict:
+    """The ModelSpec features Megatron args set (see :data:`MATH_ARGS` for those refused)."""
+    out = {}
+    if _get(args, "add_qkv_bias", False) and not _get(args, "add_bias_linear", True):
+        out["qkv_bias"] = True
+    if _get(args, "qk_layernorm", False):
+        out["qk_layernorm"] = True
+    window = _window(_get(args, "window_size")) if _get_skip(args) is None else None
+    if window is not None:
+        out["window_size"] = window
+    if _get(args, "use_rope_scaling", False):
+        out.update(rope_scaling="llama3", **MCORE_ROPE_SCALING)
+    return out
+
+
+def unexpressed(spec: ModelSpec) -> tuple[str, str] | None:
+    """A feature of ``spec`` Megatron args cannot express: ``(feature, what they can)``."""
+    if spec.rope_scaling not in (None, "llama3"):
+        return f"rope_scaling={spec.rope_scaling}", "llama3 scaling (use_rope_scaling) or none"
+    if spec.rope_scaling == "llama3":
+        fixed = {k: getattr(spec, k) for k in MCORE_ROPE_SCALING}
+        if fixed != MCORE_ROPE_SCALING:
+            return ("llama3 RoPE scaling with factor={rope_scaling_factor}, low_freq_factor="
+                    "{rope_low_freq_factor}, high_freq_factor={rope_high_freq_factor}, "
+                    "original_max_position_embeddings={rope_original_max_positions}".format(**fixed),
+                    "factor 8, low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings "
+                    "8192 (Megatron-Core's RotaryEmbedding fixes the last three, and Megatron-LM's "
+                    "model builder passes no factor)")
+    return None
+
+
+def refuse_unexpressed(spec: ModelSpec, target: str, where: str) -> None:
+    """Refuse (UsageError, exit 2) a model whose math Megatron args cannot express, naming
+    the feature, before anything is written."""
+    lost = unexpressed(spec)
+    if lost is not None:
+        feature, can = lost
+        raise UsageError(f"the model has {feature}, which {target} output cannot express, so the "
+                         f"converted model would compute differently: Megatron takes only {can}", path=where,
+                         hint="Convert to dcp, hf or deepspeed, which keep it; nothing was written")
 
 
 # Which Megatron args change the math. Megatron-LM stores hundreds of args (data, logging,
@@ -116,16 +181,19 @@ MATH_ARGS = {
                                 lambda v, a: str(v) in ("learned_absolute", "rope")),
     "normalization": ("LayerNorm or RMSNorm", lambda v, a: str(v) in ("LayerNorm", "RMSNorm")),
     # no-op values
-    "use_rope_scaling": ("false", _rope_only(_off)),
+    "use_rope_scaling": ("any (llama3 scaling with factor 8)", _rope_only(lambda v, a: True)),
+    "rope_scaling_factor": ("8.0 (the factor Megatron-LM's model builder applies)",
+                            lambda v, a: not _get(a, "use_rope_scaling", False) or v in (None, 8, 8.0)),
     "rotary_percent": ("1.0", _rope_only(lambda v, a: v in (None, 1))),
     "rotary_interleaved": ("false", _rope_only(_off)),
     "rotary_seq_len_interpolation_factor": ("null", _rope_only(lambda v, a: v in (None, 1))),
     "no_rope_freq": ("null", _rope_only(lambda v, a: v is None)),
-    "window_size": ("null", lambda v, a: v is None or
-                    (isinstance(v, (list, tuple)) and tuple(v) == (-1, -1))),
-    "add_qkv_bias": ("false (or add_bias_linear)",
-                     lambda v, a: not v or bool(_get(a, "add_bias_linear", True))),
-    "qk_layernorm": ("false", _off),
+    "window_size": ("null or (W - 1, 0) on every layer", lambda v, a: v is None or
+                    (isinstance(v, (list, tuple)) and tuple(v) == (-1, -1)) or
+                    (_window(v) is not None and _get_skip(a) is None)),
+    "window_attn_skip_freq": ("null", lambda v, a: v is None),
+    "add_qkv_bias": ("any", lambda v, a: True),
+    "qk_layernorm": ("any", lambda v, a: True),
     "qk_l2_norm": ("false", _off),
     "attention_output_gate": ("false", _off),
     "softmax_scale": ("null", lambda v, a: v is None),
@@ -226,7 +294,11 @@ def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology
         add_bias_linear=spec.add_bias, normalization=spec.normalization,
         position_embedding_type="learned_absolute" if spec.learned_positions else "rope",
         max_position_embeddings=spec.max_position_embeddings, norm_epsilon=spec.norm_epsilon,
-        rotary_base=spec.rotary_base, openai_gelu=spec.activation == "gelu_tanh")
+        rotary_base=spec.rotary_base, openai_gelu=spec.activation == "gelu_tanh",
+        add_qkv_bias=spec.qkv_bias or spec.add_bias, qk_layernorm=spec.qk_layernorm,
+        window_size=None if spec.window_size is None else (spec.window_size - 1, 0),
+        use_rope_scaling=spec.rope_scaling == "llama3",
+        rope_scaling_factor=8.0)
     if samples is not None and isinstance(samples.value, int):
         new.consumed_train_samples = samples.value
     new.tensor_model_parallel_size = topo.tp
@@ -272,6 +344,7 @@ def target_spec(index, source: Topology, target: Topology, true_vocab_size: int 
     ``last``: an uneven pipeline split for the target)."""
 
     spec = ModelSpec(**index.model_config)
+    refuse_unexpressed(spec, "Megatron", index.url)
     known = index.true_vocab_size is not None
     if true_vocab_size:
         if true_vocab_size > spec.global_vocab_rows:

@@ -265,6 +265,14 @@ HF_CONFIGS = {
     # tied lm_head, Conv1D weights, learned positions
     "gpt2": dict(model_type="gpt2", vocab_size=211, n_embd=32, n_layer=2, n_head=4,
                  n_positions=SEQ, n_inner=64),
+    # architectures ckptool has no family table for (exported by names, as zero_to_fp32 does):
+    # Phi-3's fused qkv_proj / gate_up_proj; Gemma's tied head, (1 + w) norms, scaled embedding
+    "phi3": dict(model_type="phi3", vocab_size=197, hidden_size=32, intermediate_size=48,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=SEQ, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "gemma": dict(model_type="gemma", vocab_size=199, hidden_size=32, intermediate_size=48,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=SEQ),
 }
 
 

@@ -41,14 +41,34 @@ def megatron_args(m: dict, tp: int, pp: int) -> argparse.Namespace:
         num_attention_heads=m["num_attention_heads"],
         group_query_attention=m["num_query_groups"] is not None,
         num_query_groups=m["num_query_groups"], ffn_hidden_size=m["ffn_hidden_size"],
-        kv_channels=m["hidden_size"] // m["num_attention_heads"],
+        kv_channels=m.get("kv_channels") or m["hidden_size"] // m["num_attention_heads"],
         padded_vocab_size=padded(m["vocab_size"], m["divisible_by"], tp),
         make_vocab_size_divisible_by=m["divisible_by"], swiglu=m["swiglu"],
         untie_embeddings_and_output_weights=not m["tied"], add_bias_linear=m["bias"],
         normalization=m["norm"], position_embedding_type=m["pos"],
         max_position_embeddings=m["max_pos"], tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, world_size=tp * pp, data_parallel_size=1,
-        params_dtype=torch.float32, seq_length=SEQ)
+        params_dtype=torch.float32, seq_length=SEQ, **_feature_args(m))
+
+
+FEATURES = dict(qkv_bias=False, qk_layernorm=False, window=None, rope_scaling=False, kv_channels=None)
+"""Optional model features of a harness model dict (absent: off)."""
+
+
+def _feature_args(m: dict) -> dict:
+    """Megatron-LM's args for the features ``m`` turns on (none when all are off, as an
+    older Megatron-LM stores them)."""
+    f = {**FEATURES, **{k: m[k] for k in FEATURES if k in m}}
+    out = {}
+    if f["qkv_bias"]:
+        out["add_qkv_bias"] = True
+    if f["qk_layernorm"]:
+        out["qk_layernorm"] = True
+    if f["window"]:
+        out["window_size"] = (f["window"] - 1, 0)
+    if f["rope_scaling"]:
+        out.update(use_rope_scaling=True, rope_scaling_factor=8.0)
+    return out
 
 
 def tokens(vocab: int = 997) -> torch.Tensor:
@@ -68,7 +88,21 @@ def _init(rank, world, tp, pp, port):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    _sliding_window_mask_on_cpu()
     return parallel_state
+
+
+def _sliding_window_mask_on_cpu():
+    """Megatron-Core's sliding-window mask is allocated on "cuda"; fused_softmax imports the
+    function by name, so it is replaced there: the same mask, on the CPU."""
+    import megatron.core.fusions.fused_softmax as fused_softmax
+
+    def mask(sq, skv, window_size):
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]),
+                           diagonal=skv - sq + window_size[1])
+
+    fused_softmax.get_sliding_window_causal_mask = mask
 
 
 def _model(m: dict, tp: int, pp: int, pre: bool, post: bool):
@@ -77,17 +111,22 @@ def _model(m: dict, tp: int, pp: int, pre: bool, post: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     act = torch.nn.functional.silu if m["swiglu"] else torch.nn.functional.gelu
+    f = {**FEATURES, **{k: m[k] for k in FEATURES if k in m}}
     cfg = TransformerConfig(
         num_layers=m["num_layers"], hidden_size=m["hidden_size"],
         num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
         ffn_hidden_size=m["ffn_hidden_size"], use_cpu_initialization=True,
         gated_linear_unit=m["swiglu"], activation_func=act, add_bias_linear=m["bias"],
         normalization=m["norm"], params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0)
-    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization=m["norm"]),
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0,
+        add_qkv_bias=f["qkv_bias"], qk_layernorm=f["qk_layernorm"], kv_channels=f["kv_channels"],
+        window_size=(f["window"] - 1, 0) if f["window"] else None)
+    layer_spec = get_gpt_layer_local_spec(normalization=m["norm"], qk_layernorm=f["qk_layernorm"])
+    return GPTModel(config=cfg, transformer_layer_spec=layer_spec,
                     vocab_size=padded(m["vocab_size"], m["divisible_by"], tp), max_sequence_length=SEQ,
                     pre_process=pre, post_process=post,
-                    share_embeddings_and_output_weights=m["tied"], position_embedding_type=m["pos"])
+                    share_embeddings_and_output_weights=m["tied"], position_embedding_type=m["pos"],
+                    rope_scaling=f["rope_scaling"])
 
 
 def _forward(ps, model, m: dict, tp: int, pp: int) -> torch.Tensor | None:

@@ -1,0 +1,201 @@
+"""Config rules that several families share: the Llama-style sizes, RoPE (theta and
+scaling), the sliding window, tied embeddings. Each is written once here and listed in
+the families' tables."""
+
+from __future__ import annotations
+
+from converters.schemas.families.base import Feature, Fixed, Mapped, Problem, Rule
+
+# --------------------------------------------------------------------------- sizes
+
+VOCAB = Feature(("vocab_size",), lambda c: {"vocab_size": int(c["vocab_size"])},
+                lambda s, v, b: {"vocab_size": v})
+"""The true vocabulary (the embedding's rows as written)."""
+
+
+def llama_sizes(head_dim: bool = True, norm_eps: str = "rms_norm_eps") -> tuple[Rule, ...]:
+    """The sizes every Llama-style config names the same way. ``head_dim``: the family has
+    the field (Qwen2's and Phi-3's modeling code derives hidden / heads, whatever it says)."""
+    dim = Feature(("head_dim",), _read_head_dim, lambda s, v, b: {"head_dim": s.head_dim}) if head_dim \
+        else Feature((), lambda c: {}, lambda s, v, b: {})
+    return (
+        Mapped("num_hidden_layers", "num_layers"),
+        Mapped("hidden_size", "hidden_size"),
+        Mapped("num_attention_heads", "num_attention_heads"),
+        Feature(("num_key_value_heads",), _read_groups, _write_groups),
+        VOCAB,
+        Mapped("intermediate_size", "ffn_hidden_size"),
+        dim,
+        Feature(("max_position_embeddings",),
+                lambda c: {"max_position_embeddings": int(c.get("max_position_embeddings") or 0)},
+                lambda s, v, b: {"max_position_embeddings": s.max_position_embeddings or
+                                 b.get("max_position_embeddings", 4096)}),
+        Mapped(norm_eps, "norm_epsilon", float, default=1e-6),
+    )
+
+
+def _read_groups(config: dict) -> dict:
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    return {"num_query_groups": kv if kv != heads else None}
+
+
+def _write_groups(spec, vocab, base) -> dict:
+    return {"num_key_value_heads": spec.groups}
+
+
+def _read_head_dim(config: dict) -> dict:
+    return {"kv_channels": int(config.get("head_dim") or
+                               int(config["hidden_size"]) // int(config["num_attention_heads"]))}
+
+
+def tie(default: bool) -> Rule:
+    """``tie_word_embeddings`` (absent: the family's config class default)."""
+    return Feature(("tie_word_embeddings",),
+                   lambda c: {"tied_embeddings": bool(c.get("tie_word_embeddings", default))},
+                   lambda s, v, b: {"tie_word_embeddings": s.tied_embeddings})
+
+
+def fixed_false(*names: str) -> tuple[Rule, ...]:
+    """Fields the family's table holds only as false (bias flags: true means tensors the
+    table lacks)."""
+    return tuple(Fixed(n, (False, None)) for n in names)
+
+
+
+# --------------------------------------------------------------------------- RoPE
+
+_SCALING_FIELDS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                              "original_max_position_embeddings"),
+                   "linear": ("factor",)}
+_PLAIN = "the default type with rope_theta, or llama3 or linear scaling"
+
+
+def _rope_params(config: dict) -> tuple[str | None, dict]:
+    """(the field that holds RoPE's parameters, its value as a dict). transformers 5 reads
+    an older file's ``rope_scaling`` over ``rope_parameters`` when both are there."""
+    for name in ("rope_scaling", "rope_parameters"):
+        value = config.get(name)
+        if isinstance(value, dict):
+            return name, value
+    return None, {}
+
+
+def _rope_type(params: dict):
+    return params.get("rope_type", params.get("type"))
+
+
+def _read_rope(config: dict) -> dict:
+    _, params = _rope_params(config)
+    newer = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    theta = params.get("rope_theta") or newer.get("rope_theta") or config.get("rope_theta") or 10000.0
+    out = {"rotary_base": float(theta)}
+    kind = _rope_type(params)
+    if kind == "llama3" and not _rope_problem(config):
+        out.update(rope_scaling="llama3", rope_scaling_factor=float(params["factor"]),
+                   rope_low_freq_factor=float(params["low_freq_factor"]),
+                   rope_high_freq_factor=float(params["high_freq_factor"]),
+                   rope_original_max_positions=int(params["original_max_position_embeddings"]))
+    elif kind == "linear" and not _rope_problem(config):
+        out.update(rope_scaling="linear", rope_scaling_factor=float(params["factor"]))
+    return out
+
+
+def _rope_problem(config: dict) -> Problem | None:
+    name, params = _rope_params(config)
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        field = "partial_rotary_factor" if "partial_rotary_factor" in config else name
+        return Problem(field, partial if field == "partial_rotary_factor" else params, "1.0 (full rotary)")
+    for key in ("rope_parameters", "rope_scaling"):
+        value = config.get(key)
+        if value is not None and not isinstance(value, dict):
+            return Problem(key, value, _PLAIN)
+    if name is None:
+        return None
+    kind = _rope_type(params)
+    if kind in (None, "default"):
+        extra = [k for k in params if k not in ("rope_type", "type", "rope_theta", "partial_rotary_factor")]
+        return Problem(name, params, _PLAIN) if extra else None
+    need = _SCALING_FIELDS.get(kind)
+    allowed = {"rope_type", "type", "rope_theta", "partial_rotary_factor", *(need or ())}
+    if need is None or any(k not in params for k in need) or set(params) - allowed:
+        return Problem(name, params, _PLAIN)
+    return None
+
+
+def _write_rope(spec, vocab, base: dict) -> dict:
+    params = {"rope_type": spec.rope_scaling or "default", "rope_theta": spec.rotary_base}
+    if spec.rope_scaling == "llama3":
+        params.update(factor=spec.rope_scaling_factor, low_freq_factor=spec.rope_low_freq_factor,
+                      high_freq_factor=spec.rope_high_freq_factor,
+                      original_max_position_embeddings=spec.rope_original_max_positions)
+    elif spec.rope_scaling == "linear":
+        params.update(factor=spec.rope_scaling_factor)
+    # Both spellings, the same content: transformers 5 reads rope_parameters (rope_scaling
+    # first when it is set), transformers 4 reads rope_theta and rope_scaling only.
+    return {"rope_parameters": params, "rope_theta": spec.rotary_base,
+            "rope_scaling": None if spec.rope_scaling is None else
+            {k: v for k, v in params.items() if k != "rope_theta"}}
+
+
+ROPE = Feature(("rope_theta", "rope_parameters", "rope_scaling", "partial_rotary_factor"),
+               _read_rope, _write_rope, _rope_problem)
+"""RoPE: theta, and the scaling ckptool carries (``llama3``, ``linear``)."""
+
+# --------------------------------------------------------------------------- windows
+
+_WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
+
+
+def _window(config: dict) -> tuple[int | None, Problem | None]:
+    """The window every layer uses (None: full attention), or what is not one window."""
+    window = config.get("sliding_window")
+    if config.get("use_sliding_window") is False:
+        window = None
+    types = config.get("layer_types")
+    if isinstance(types, list) and types:
+        kinds = set(types)
+        if kinds == {"full_attention"}:
+            return None, None
+        if kinds == {"sliding_attention"} and isinstance(window, int):
+            return window, None
+        return None, Problem("layer_types", types, "one kind of attention on every layer")
+    if window is not None and not isinstance(window, int):
+        return None, Problem("sliding_window", window, "an integer or null")
+    if window is not None and config.get("use_sliding_window") and \
+            int(config.get("max_window_layers") or 0) not in (0,):
+        return None, Problem("max_window_layers", config.get("max_window_layers"),
+                             "0 (a window on every layer) with use_sliding_window")
+    return window, None
+
+
+def window(written: tuple[str, ...] = ("sliding_window",), qwen: bool = False) -> Rule:
+    """The sliding window: one per model, on every layer (per-layer patterns are refused).
+    ``qwen``: Qwen2's ``use_sliding_window``/``max_window_layers`` spelling."""
+
+    def write(spec, vocab, base):
+        if qwen:
+            return {"use_sliding_window": spec.window_size is not None,
+                    "sliding_window": spec.window_size, "max_window_layers": 0,
+                    "layer_types": ["sliding_attention" if spec.window_size else "full_attention"]
+                    * spec.num_layers}
+        out = {"sliding_window": spec.window_size}
+        if "layer_types" in base:
+            out["layer_types"] = ["sliding_attention" if spec.window_size else "full_attention"] \
+                * spec.num_layers
+        return out
+
+    return Feature(_WINDOW_FIELDS, lambda c: {"window_size": _window(c)[0]}, write,
+                   lambda c: _window(c)[1])
+
+
+NO_WINDOW = Feature(_WINDOW_FIELDS, lambda c: {}, lambda s, v, b: {},
+                    lambda c: _window(c)[1] or (Problem("sliding_window", c["sliding_window"], "null")
+                                                if _window(c)[0] is not None else None))
+"""For a family whose table has no window: any window is a problem (carried only where the
+config is kept as it is)."""
+
+
+def activation(name: str, *values: str) -> Rule:
+    return Fixed(name, values)
