@@ -32,7 +32,11 @@ from tests.harness import deepspeed_engine as H  # noqa: E402
 CASES = [("llama", 2, "decay", "module", "fp32"), ("llama", 1, "decay", "files", "fp32"),
          ("llama", 3, "decay", "fresh", "fp32"), ("gpt2", 1, "single", "module", "fp32"),
          ("gpt2", 2, "single", "files", "fp32"), ("gpt2", 3, "decay", "files", "fp32"),
-         ("llama", 2, "decay", "fresh", "bf16"), ("llama", 3, "decay", "files", "bf16")]
+         ("llama", 2, "decay", "fresh", "bf16"), ("llama", 3, "decay", "files", "bf16"),
+         # the family tables' parameter order is each model's own (QK norms, Phi-3's o_proj
+         # first, Gemma 2's four norms and tied head, OLMo 2's post-norms)
+         ("qwen3", 1, "decay", "files", "fp32"), ("phi3", 1, "single", "files", "fp32"),
+         ("gemma2", 2, "decay", "files", "fp32"), ("olmo2", 3, "decay", "files", "fp32")]
 
 
 def _hf(root, family, dtype=torch.float32):

@@ -95,6 +95,30 @@ class ModelSpec:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
+    layer_windows: str | None = None
+    """Per layer, ``S`` (the sliding window) or ``F`` (full attention): Gemma 2/3 patterns.
+    None: ``window_size`` (if any) on every layer."""
+    rope_local_base: float | None = None
+    """RoPE theta of the sliding-window layers when it differs (Gemma 3; ``rotary_base`` is
+    the full-attention layers')."""
+    norm_placement: str = "pre"
+    """``pre``: a norm before attention and before the MLP (Llama, GPT); ``sandwich``: also
+    one after each (Gemma 2/3: ``post_self_attn_layernorm``, ``post_mlp_layernorm``);
+    ``post``: only the ones after (OLMo 2)."""
+    norm_offset: bool = False
+    """Norms compute ``x * (1 + w)``: the stored weight is zero-centred (Gemma)."""
+    embedding_scale: bool = False
+    """Embeddings are multiplied by sqrt(hidden_size) (Gemma)."""
+    qk_norm_whole: bool = False
+    """OLMo 2's q/k norms: over the whole projection (``[heads * head_dim]``) before it is
+    cut into heads, not per head (``self_attention.q_proj_layernorm``, ``k_proj_layernorm``)."""
+    attn_softcap: float | None = None
+    """Attention logits soft-capped: ``cap * tanh(scores / cap)`` (Gemma 2)."""
+    final_softcap: float | None = None
+    """Output logits soft-capped (Gemma 2/3)."""
+    query_scale: float | None = None
+    """Attention scores scaled by ``query_scale ** -0.5`` instead of ``head_dim ** -0.5``
+    (Gemma 2/3's ``query_pre_attn_scalar``); None: head_dim."""
 
     @property
     def global_vocab_rows(self) -> int:
@@ -137,14 +161,20 @@ def layer_params(spec: ModelSpec, i: int) -> list[Param]:
     qkv_rows = (spec.num_attention_heads + 2 * spec.groups) * d
     fc1_rows = 2 * spec.ffn if spec.swiglu else spec.ffn
     p = f"decoder.layers.{i}."
+    pre = spec.norm_placement != "post"
     params = [
-        *_norm(spec, p + "self_attention.linear_qkv.layer_norm"),
+        *(_norm(spec, p + "self_attention.linear_qkv.layer_norm") if pre else []),
         Param(p + "self_attention.linear_qkv.weight", (qkv_rows, h), COLUMN),
         Param(p + "self_attention.linear_proj.weight", (h, spec.num_attention_heads * d), ROW),
-        *_norm(spec, p + "mlp.linear_fc1.layer_norm"),
+        *(_norm(spec, p + "mlp.linear_fc1.layer_norm") if pre else []),
         Param(p + "mlp.linear_fc1.weight", (fc1_rows, h), GATED if spec.swiglu else COLUMN),
         Param(p + "mlp.linear_fc2.weight", (h, spec.ffn), ROW),
     ]
+    if spec.norm_placement != "pre":  # after attention and after the MLP, before each residual add
+        params += [*_norm(spec, p + "post_self_attn_layernorm"), *_norm(spec, p + "post_mlp_layernorm")]
+    if spec.qk_norm_whole:  # over the whole projection: no TP split keeps its statistics
+        params += [Param(p + "self_attention.q_proj_layernorm.weight", (spec.num_attention_heads * d,), REPLICATED),
+                   Param(p + "self_attention.k_proj_layernorm.weight", (spec.groups * d,), REPLICATED)]
     if spec.qk_layernorm:  # over head_dim, the same for every head: replicated
         for x in "qk":
             params.append(Param(p + f"self_attention.{x}_layernorm.weight", (d,), REPLICATED))

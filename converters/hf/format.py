@@ -191,6 +191,7 @@ class HfWriter(Writer):
         self.dtype: torch.dtype | None = None
         self.model_family: str | None = None
         self._config: dict | None = None
+        self._source_family: str | None = None
 
     def configure(self, *, max_shard_size: int | None = None, dtype: str | None = None,
                   model_family: str | None = None, **unknown) -> None:
@@ -224,6 +225,7 @@ class HfWriter(Writer):
     def bind(self, opened) -> None:
         model = opened.index.layout(HfModel)
         self._config = model.config if model is not None else None
+        self._source_family = model.family if model is not None else None
 
     def source_schema(self, opened) -> str:
         return NAME
@@ -276,7 +278,8 @@ class HfWriter(Writer):
 
     def model_tensors(self, index: CheckpointIndex, spec: ModelSpec) -> list[HfTensor]:
         """The tensors written, with the canonical regions each holds: the family's table."""
-        self._family, self._spec = family_of(spec, self.model_family), spec
+        # the source's family when it has one (a Phi-3 stays a Phi-3), else the first that fits
+        self._family, self._spec = family_of(spec, self.model_family or self._source_family), spec
         return hf_tensors(spec, self._family, self._vocab)
 
     def config_json(self) -> dict:

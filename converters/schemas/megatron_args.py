@@ -81,7 +81,9 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
         last_stage_layers=_get(args, "decoder_last_pipeline_num_layers"),
         norm_epsilon=float(_get(args, "norm_epsilon", _get(args, "layernorm_epsilon", 1e-5))),
         rotary_base=float(_get(args, "rotary_base", 10000)),
-        activation="gelu_tanh" if _get(args, "openai_gelu", False) else "gelu",
+        # with --swiglu Megatron-LM gates with SiLU, whatever --openai-gelu says
+        activation="gelu_tanh" if _get(args, "openai_gelu", False) and not _get(args, "swiglu", False)
+        else "gelu",
         **_features(args),
     )
     if true_vocab and spec.padded_vocab(tp) != padded:
@@ -131,8 +133,32 @@ def _features(args: argparse.Namespace) -> dict:
     return out
 
 
+_NOT_IN_MEGATRON = (
+    (lambda s: s.norm_placement != "pre", "norms after attention and the MLP ({norm_placement})",
+     "pre-norm layers"),
+    (lambda s: s.norm_offset, "zero-centred norm weights (x * (1 + w))", "plain norm weights"),
+    (lambda s: s.embedding_scale, "embeddings scaled by sqrt(hidden_size)", "unscaled embeddings"),
+    (lambda s: s.swiglu and s.activation == "gelu_tanh", "a GELU-gated MLP (GeGLU)",
+     "SwiGLU (--swiglu) as its gated MLP"),
+    (lambda s: s.qk_norm_whole, "q/k norms over the whole projection",
+     "per-head QK norms (--qk-layernorm)"),
+    (lambda s: s.attn_softcap is not None, "attention logit soft-capping ({attn_softcap})", "none"),
+    (lambda s: s.final_softcap is not None, "final logit soft-capping ({final_softcap})", "none"),
+    (lambda s: s.query_scale is not None, "attention scaled by query_pre_attn_scalar ({query_scale})",
+     "head_dim ** -0.5 (or --softmax-scale, which ckptool does not map yet)"),
+    (lambda s: s.layer_windows is not None, "a per-layer window pattern ({layer_windows})",
+     "one window on every layer (--window-size)"),
+    (lambda s: s.rope_local_base is not None, "a RoPE theta of its own on sliding layers ({rope_local_base})",
+     "one --rotary-base"),
+)
+"""Model features Megatron args cannot express: (is it on, the feature, what Megatron takes)."""
+
+
 def unexpressed(spec: ModelSpec) -> tuple[str, str] | None:
     """A feature of ``spec`` Megatron args cannot express: ``(feature, what they can)``."""
+    for on, feature, can in _NOT_IN_MEGATRON:
+        if on(spec):
+            return feature.format(**{k: getattr(spec, k) for k in spec.__dataclass_fields__}), can
     if spec.rope_scaling not in (None, "llama3"):
         return f"rope_scaling={spec.rope_scaling}", "llama3 scaling (use_rope_scaling) or none"
     if spec.rope_scaling == "llama3":

@@ -265,14 +265,29 @@ HF_CONFIGS = {
     # tied lm_head, Conv1D weights, learned positions
     "gpt2": dict(model_type="gpt2", vocab_size=211, n_embd=32, n_layer=2, n_head=4,
                  n_positions=SEQ, n_inner=64),
-    # architectures ckptool has no family table for (exported by names, as zero_to_fp32 does):
-    # Phi-3's fused qkv_proj / gate_up_proj; Gemma's tied head, (1 + w) norms, scaled embedding
-    "phi3": dict(model_type="phi3", vocab_size=197, hidden_size=32, intermediate_size=48,
+    # the other family tables, in the order of their own named_parameters()
+    "qwen3": dict(model_type="qwen3", vocab_size=203, hidden_size=32, intermediate_size=48,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=SEQ, use_sliding_window=False),
+    "phi3": dict(model_type="phi3", vocab_size=203, hidden_size=32, intermediate_size=48,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  max_position_embeddings=SEQ, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-    "gemma": dict(model_type="gemma", vocab_size=199, hidden_size=32, intermediate_size=48,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    "gemma2": dict(model_type="gemma2", vocab_size=203, hidden_size=32, intermediate_size=48,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   max_position_embeddings=SEQ, sliding_window=4, query_pre_attn_scalar=8),
+    "olmo2": dict(model_type="olmo2", vocab_size=203, hidden_size=32, intermediate_size=48,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=SEQ),
+    # architectures ckptool has no family table for (exported by names, as zero_to_fp32 does):
+    # Granite's embedding/residual/attention multipliers and logit scaling; StarCoder2's
+    # LayerNorm with biases, GELU MLP and sliding window
+    "granite": dict(model_type="granite", vocab_size=197, hidden_size=32, intermediate_size=48,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=SEQ, embedding_multiplier=2.0, residual_multiplier=0.5,
+                    attention_multiplier=0.3, logits_scaling=2.0),
+    "starcoder2": dict(model_type="starcoder2", vocab_size=199, hidden_size=32, intermediate_size=48,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=SEQ, sliding_window=4),
 }
 
 

@@ -9,10 +9,20 @@ source) is written as Hugging Face: the first family that can express it.
 
 from __future__ import annotations
 
-from converters.schemas.families import gpt2, llama, mistral, qwen2, qwen3
+from converters.schemas.families import (
+    gemma,
+    gpt2,
+    llama,
+    mistral,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+)
 from converters.schemas.families.base import FEATURES, Family, Problem
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    llama.FAMILY, gpt2.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
+    llama.FAMILY, gpt2.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY,
+    gemma.FAMILY, gemma.GEMMA2, gemma.GEMMA3, olmo2.FAMILY)}
 
 __all__ = ["FAMILIES", "FEATURES", "Family", "Problem"]

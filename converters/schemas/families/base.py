@@ -118,6 +118,11 @@ PARTS: dict[str, Part] = {
     "mlp_norm_bias": _whole("mlp.linear_fc1.layer_norm_bias", _H),
     "q_norm": _whole("self_attention.q_layernorm.weight", _D),
     "k_norm": _whole("self_attention.k_layernorm.weight", _D),
+    "q_norm_whole": _whole("self_attention.q_proj_layernorm.weight",
+                           lambda s: (s.num_attention_heads * s.head_dim,)),
+    "k_norm_whole": _whole("self_attention.k_proj_layernorm.weight", lambda s: (s.groups * s.head_dim,)),
+    "post_attn_norm": _whole("post_self_attn_layernorm.weight", _H),
+    "post_mlp_norm": _whole("post_mlp_layernorm.weight", _H),
 }
 """Every canonical part of a transformer layer an HF tensor can be."""
 
@@ -346,6 +351,16 @@ FEATURES: dict[str, Callable[[ModelSpec], bool]] = {
     "tied_embeddings": lambda s: s.tied_embeddings,
     "grouped_query_attention": lambda s: s.groups != s.num_attention_heads,
     "head_dim": lambda s: s.head_dim != s.hidden_size // s.num_attention_heads,
+    "gated_gelu": lambda s: s.swiglu and s.activation == "gelu_tanh",
+    "layer_windows": lambda s: s.layer_windows is not None,
+    "rope_local_base": lambda s: s.rope_local_base is not None,
+    "norm_placement": lambda s: s.norm_placement != "pre",
+    "norm_offset": lambda s: s.norm_offset,
+    "embedding_scale": lambda s: s.embedding_scale,
+    "qk_norm_whole": lambda s: s.qk_norm_whole,
+    "attn_softcap": lambda s: s.attn_softcap is not None,
+    "final_softcap": lambda s: s.final_softcap is not None,
+    "query_scale": lambda s: s.query_scale is not None,
 }
 """Features a model may have (each: is it on?); a family fixes one, or lists the ones it
 can express in ``features``."""

@@ -13,10 +13,13 @@ VOCAB = Feature(("vocab_size",), lambda c: {"vocab_size": int(c["vocab_size"])},
 """The true vocabulary (the embedding's rows as written)."""
 
 
-def llama_sizes(head_dim: bool = True, norm_eps: str = "rms_norm_eps") -> tuple[Rule, ...]:
-    """The sizes every Llama-style config names the same way. ``head_dim``: the family has
-    the field (Qwen2's and Phi-3's modeling code derives hidden / heads, whatever it says)."""
-    dim = Feature(("head_dim",), _read_head_dim, lambda s, v, b: {"head_dim": s.head_dim}) if head_dim \
+def llama_sizes(head_dim: bool | int = True, norm_eps: str = "rms_norm_eps") -> tuple[Rule, ...]:
+    """The sizes every Llama-style config names the same way. ``head_dim``: the family reads
+    the field (an int: its default when absent, as Qwen3's 128 and Gemma's 256; True:
+    hidden / heads), or not at all (False: OLMo 2 derives hidden / heads)."""
+    default = head_dim if head_dim is not True and head_dim is not False else None
+    dim = Feature(("head_dim",), lambda c: _read_head_dim(c, default),
+                  lambda s, v, b: {"head_dim": s.head_dim}) if head_dim is not False \
         else Feature((), lambda c: {}, lambda s, v, b: {})
     return (
         Mapped("num_hidden_layers", "num_layers"),
@@ -44,8 +47,8 @@ def _write_groups(spec, vocab, base) -> dict:
     return {"num_key_value_heads": spec.groups}
 
 
-def _read_head_dim(config: dict) -> dict:
-    return {"kv_channels": int(config.get("head_dim") or
+def _read_head_dim(config: dict, default: int | None = None) -> dict:
+    return {"kv_channels": int(config.get("head_dim") or default or
                                int(config["hidden_size"]) // int(config["num_attention_heads"]))}
 
 
@@ -148,8 +151,9 @@ ROPE = Feature(("rope_theta", "rope_parameters", "rope_scaling", "partial_rotary
 _WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
 
 
-def _window(config: dict) -> tuple[int | None, Problem | None]:
-    """The window every layer uses (None: full attention), or what is not one window."""
+def _window(config: dict, pattern: bool = False) -> tuple[int | None, Problem | None]:
+    """The window every layer uses (None: full attention), or what is not one window
+    (``pattern``: a per-layer pattern is read by :func:`_pattern` instead)."""
     window = config.get("sliding_window")
     if config.get("use_sliding_window") is False:
         window = None
@@ -158,7 +162,8 @@ def _window(config: dict) -> tuple[int | None, Problem | None]:
         kinds = set(types)
         if kinds == {"full_attention"}:
             return None, None
-        if kinds == {"sliding_attention"} and isinstance(window, int):
+        if kinds <= {"sliding_attention", "full_attention"} and isinstance(window, int) and \
+                (pattern or kinds == {"sliding_attention"}):
             return window, None
         return None, Problem("layer_types", types, "one kind of attention on every layer")
     if window is not None and not isinstance(window, int):
@@ -188,6 +193,37 @@ def window(written: tuple[str, ...] = ("sliding_window",), qwen: bool = False) -
 
     return Feature(_WINDOW_FIELDS, lambda c: {"window_size": _window(c)[0]}, write,
                    lambda c: _window(c)[1])
+
+
+def _pattern(config: dict) -> str | None:
+    """Gemma 2/3's per-layer pattern (``S`` sliding, ``F`` full), None when every layer
+    is the same."""
+    types = config.get("layer_types")
+    if not isinstance(types, list) or len(set(types)) < 2:
+        return None
+    return "".join("S" if t == "sliding_attention" else "F" for t in types)
+
+
+def _pattern_problem(config: dict) -> Problem | None:
+    if not isinstance(config.get("layer_types"), list):
+        return Problem("sliding_window", config.get("sliding_window"),
+                       "a pattern given as layer_types (what transformers 5 writes)")
+    return _window(config, pattern=True)[1]
+
+
+def _write_pattern(spec, vocab, base) -> dict:
+    kinds = spec.layer_windows or ("S" if spec.window_size else "F") * spec.num_layers
+    out = {"sliding_window": spec.window_size or base.get("sliding_window"),
+           "layer_types": ["sliding_attention" if k == "S" else "full_attention" for k in kinds]}
+    return out
+
+
+WINDOW_PATTERN = Feature(("sliding_window", "layer_types", "sliding_window_pattern",
+                          "_sliding_window_pattern"),
+                         lambda c: {"window_size": _window(c, pattern=True)[0], "layer_windows": _pattern(c)},
+                         _write_pattern, _pattern_problem)
+"""Gemma 2/3: the window on the layers ``layer_types`` names (``*sliding_window_pattern`` is
+what transformers derived ``layer_types`` from: the list is what it runs)."""
 
 
 NO_WINDOW = Feature(_WINDOW_FIELDS, lambda c: {}, lambda s, v, b: {},
