@@ -57,7 +57,12 @@ from converters.megatron.common import (
     split_layers,
 )
 from converters.schemas.megatron import TRACKER, iteration_dir, params_by_key
-from converters.schemas.megatron_args import UnevenStages, source_dtype, update_args
+from converters.schemas.megatron_args import (
+    UnevenStages,
+    feature_notes,
+    source_dtype,
+    update_args,
+)
 
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
                        "mlp.linear_fc2")
@@ -154,7 +159,7 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
 
     def notes(self, index) -> list[str]:
         notes = ["RNG state is not written to torch_dist outputs yet: resume with Megatron's "
-                 "--no-load-rng"]
+                 "--no-load-rng", *feature_notes(index)]
         if self._from_deepspeed:
             notes.append(self._from_deepspeed.note)
         if self._distributed is not None:
