@@ -52,6 +52,7 @@ from converters.schemas.megatron import (
 )
 from converters.schemas.megatron_args import (
     UnevenStages,
+    feature_notes,
     source_dtype,
     spec_from_args,
     update_args,
@@ -409,6 +410,7 @@ class MegatronWriter(UnevenStages, Writer):
     def notes(self, index: CheckpointIndex) -> list[str]:
         """What a user resuming from the output must know."""
         notes = [self._layout_note] if self._layout_note else []
+        notes += feature_notes(index)
         if self._from_deepspeed:
             notes.append(self._from_deepspeed.note)
         if not any(k.endswith(".rng_state") for k in index.objects):

@@ -173,6 +173,22 @@ def unexpressed(spec: ModelSpec) -> tuple[str, str] | None:
     return None
 
 
+def feature_notes(index: CheckpointIndex) -> list[str]:
+    """What a Megatron job resuming from an output with these features must run with."""
+    if index.model_config is None:
+        return []
+    spec, notes = ModelSpec(**index.model_config), []
+    if spec.window_size is not None:
+        notes.append(f"sliding window {spec.window_size} written as --window-size {spec.window_size - 1} 0: "
+                     "Transformer Engine's attention and the unfused softmax apply it, Megatron-Core's "
+                     "fused local softmax kernel (bf16/fp16 with --masked-softmax-fusion) does not; "
+                     "with the local spec run --no-masked-softmax-fusion")
+    if spec.rope_scaling == "llama3":
+        notes.append("Llama 3.1 RoPE scaling written as --use-rope-scaling (Megatron-Core's factors: "
+                     "8, 1, 4, original context 8192)")
+    return notes
+
+
 def refuse_unexpressed(spec: ModelSpec, target: str, where: str) -> None:
     """Refuse (UsageError, exit 2) a model whose math Megatron args cannot express, naming
     the feature, before anything is written."""
