@@ -252,11 +252,16 @@ def _rewrite_options(f):
 @click.option("--to-dp", type=_SIZE, help="Target data-parallel size.")
 @click.option("--to-vpp", type=_SIZE, help="Target virtual pipeline chunks per stage.")
 @click.option("--to-zero", type=click.IntRange(0, 3), help="Target ZeRO stage (DeepSpeed).")
+@click.option("--to-ep", type=_SIZE, help="Target expert-parallel size (MoE).")
+@click.option("--to-etp", type=_SIZE, help="Target expert tensor-parallel size (MoE; default: the TP).")
 @click.option("--tp", type=_SIZE, help="Assert the source's TP (read from SRC).")
 @click.option("--pp", type=_SIZE, help="Assert the source's PP.")
 @click.option("--dp", type=_SIZE, help="Assert the source's DP.")
+@click.option("--ep", type=_SIZE, help="Assert the source's EP.")
+@click.option("--etp", type=_SIZE, help="Assert the source's ETP.")
 @_rewrite_options
-def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, to_zero, tp, pp, dp, true_vocab_size, workers,
+def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, to_zero, to_ep, to_etp, tp, pp, dp, ep, etp,
+            true_vocab_size, workers,
             first_stage_layers, last_stage_layers, dry_run, overwrite, drop_optimizer, no_fsync,
             as_json, quiet):
     """Rewrite the checkpoint SRC at DST for another TP/PP layout, same format.
@@ -273,8 +278,9 @@ def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, to_zero, tp, pp, dp, true_voc
 
     out = Output(as_json, quiet)
     options = RewriteOptions(
-        to={"tp": to_tp, "pp": to_pp, "dp": to_dp, "vpp": to_vpp, "zero": to_zero},
-        expect={"tp": tp, "pp": pp, "dp": dp}, workers=workers, dry_run=dry_run,
+        to={"tp": to_tp, "pp": to_pp, "dp": to_dp, "vpp": to_vpp, "zero": to_zero, "ep": to_ep,
+            "etp": to_etp},
+        expect={"tp": tp, "pp": pp, "dp": dp, "ep": ep, "etp": etp}, workers=workers, dry_run=dry_run,
         overwrite=overwrite, true_vocab_size=true_vocab_size, drop_optimizer=drop_optimizer,
         fsync=not no_fsync, format_options={"first_stage_layers": first_stage_layers,
                                             "last_stage_layers": last_stage_layers})
@@ -337,6 +343,8 @@ class FormatType(click.ParamType):
 @click.option("--pp", "--to-pp", "pp", type=_SIZE, help="Target pipeline-parallel size.")
 @click.option("--dp", "--to-dp", "dp", type=_SIZE, help="Target data-parallel size.")
 @click.option("--zero", "--to-zero", "zero", type=click.IntRange(0, 3), help="Target ZeRO stage (deepspeed).")
+@click.option("--ep", "--to-ep", "ep", type=_SIZE, help="Target expert-parallel size (MoE).")
+@click.option("--etp", "--to-etp", "etp", type=_SIZE, help="Target expert tensor-parallel size (MoE).")
 @click.option("--megatron-names", type=click.Choice(["mcore-local", "mcore-te", "legacy"]),
               help="Tensor names of a megatron target: Megatron-Core local or Transformer Engine "
                    "spec, or pre-mcore (Megatron-DeepSpeed). Default: the source's, else mcore-local.")
@@ -360,7 +368,7 @@ class FormatType(click.ParamType):
                    "lr_decay_style, start_wd, end_wd, wd_incr_steps, wd_incr_style; steps in "
                    "samples), which a DeepSpeed checkpoint does not hold.")
 @_rewrite_options
-def convert(src, dst, to_format, tp, pp, dp, zero, megatron_names, model_family, model_config,
+def convert(src, dst, to_format, tp, pp, dp, zero, ep, etp, megatron_names, model_family, model_config,
             max_shard_size, dtype, init_optimizer, param_groups, megatron_lr_schedule,
             true_vocab_size, workers, first_stage_layers, last_stage_layers, dry_run, overwrite,
             drop_optimizer, no_fsync, as_json, quiet):
@@ -376,7 +384,8 @@ def convert(src, dst, to_format, tp, pp, dp, zero, megatron_names, model_family,
 
     out = Output(as_json, quiet)
     options = RewriteOptions(
-        to={"tp": tp, "pp": pp, "dp": dp, "zero": zero}, workers=workers, dry_run=dry_run,
+        to={"tp": tp, "pp": pp, "dp": dp, "zero": zero, "ep": ep, "etp": etp}, workers=workers,
+        dry_run=dry_run,
         overwrite=overwrite, true_vocab_size=true_vocab_size, drop_optimizer=drop_optimizer,
         names=megatron_names, model_family="gpt2" if model_family == "gpt" else model_family,
         model_config=model_config, init_optimizer=init_optimizer, fsync=not no_fsync,
@@ -457,7 +466,8 @@ def plan(gpus, tp, pp, model_path, params, zero, dtype, gpu_mem, gpus_per_node, 
     out.result(res, "\n".join(lines))
 
 
-_TARGET_FLAGS = {"--tp": "--to-tp", "--pp": "--to-pp", "--dp": "--to-dp"}
+_TARGET_FLAGS = {"--tp": "--to-tp", "--pp": "--to-pp", "--dp": "--to-dp", "--ep": "--to-ep",
+                 "--etp": "--to-etp"}
 
 
 def _literal_targets(argv: list[str]) -> list[str]:

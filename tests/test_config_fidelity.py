@@ -266,7 +266,7 @@ RANK0 = Path("iter_0000010") / "mp_rank_00" / "model_optim_rng.pt"
 
 MATH_ARGS = [("window_size", (4, 2)), ("window_attn_skip_freq", 2), ("rotary_percent", 0.5),
              ("apply_layernorm_1p", True),
-             ("apply_residual_connection_post_layernorm", True), ("num_experts", 8),
+             ("apply_residual_connection_post_layernorm", True),
              ("multi_latent_attention", True), ("rotary_interleaved", True), ("squared_relu", True),
              ("position_embedding_type", "none")]
 

@@ -88,12 +88,43 @@ specs = st.sampled_from([LLAMA, GPT])
 def test_any_topology_to_any_topology_is_exact(kw, tp_a, pp_a, vpp_a, tp_b, pp_b):
     """Scatter random global weights into layout A, reshard A -> B by regions, gather: exact.
     Primary (non-replica) pieces cover every global element exactly once."""
-    spec = ModelSpec(**kw)
     if vpp_a > 1 and pp_a == 1:
         vpp_a = 1
+    assert_reshard_exact(ModelSpec(**kw), Topology(tp=tp_a, pp=pp_a, vpp=vpp_a), Topology(tp=tp_b, pp=pp_b))
+
+
+MOE = dict(LLAMA, num_experts=4, moe_ffn_hidden_size=24)
+
+
+@pytest.mark.parametrize("a,b", [((1, 1, 2), (1, 1, 1)), ((1, 1, 1), (2, 2, 4)), ((2, 1, 2), (1, 2, 4)),
+                                 ((1, 2, 4), (2, 1, 2))])
+def test_experts_reshard_exactly_across_ep_tp_and_pp(a, b):
+    """(TP, PP, EP), DP = EP: each EP rank's experts are its slice of the stacked [E, ...]
+    tensors, ETP = TP splits inside each expert; the router and dense tensors are replicas
+    on EP ranks > 0."""
+    spec = ModelSpec(**MOE)
+    ta, tb = (Topology(tp=t, pp=p, ep=e, dp=e) for t, p, e in (a, b))
+    assert_reshard_exact(spec, ta, tb)
+    ranks = layout(spec, ta)
+    assert len(ranks) == ta.tp * ta.pp * ta.ep
+    names = {t.name for r in ranks if r.ep_rank == ta.ep - 1 for t in r.tensors}
+    assert f"decoder.layers.0.mlp.experts.local_experts.{4 // ta.ep - 1}.linear_fc1.weight" in names
+
+
+def test_impossible_expert_layouts_are_refused_naming_the_rule():
+    spec = ModelSpec(**MOE)
+    with pytest.raises(TopologyError, match="4 experts must be divisible by EP \\(3\\)"):
+        layout(spec, Topology(ep=3, dp=3))
+    with pytest.raises(TopologyError, match="needs a model with experts"):
+        layout(ModelSpec(**LLAMA), Topology(ep=2, dp=2))
+    with pytest.raises(TopologyError, match="must divide tp x dp"):
+        Topology(tp=1, dp=2, ep=4, etp=1)
+
+
+def assert_reshard_exact(spec: ModelSpec, topo_a: Topology, topo_b: Topology) -> None:
     try:
-        a = layout(spec, Topology(tp=tp_a, pp=pp_a, vpp=vpp_a))
-        b = layout(spec, Topology(tp=tp_b, pp=pp_b))
+        a = layout(spec, topo_a)
+        b = layout(spec, topo_b)
     except TopologyError:
         return
     g = torch.Generator().manual_seed(0)

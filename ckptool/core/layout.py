@@ -28,7 +28,9 @@ Rules:
 
 from __future__ import annotations
 
+import itertools
 import math
+import re
 from dataclasses import dataclass, field
 
 from ckptool.core.errors import TopologyError
@@ -36,6 +38,13 @@ from ckptool.core.regions import Region, Shard
 from ckptool.core.topology import Topology
 
 COLUMN, ROW, REPLICATED, GATED, VOCAB = "column", "row", "replicated", "gated", "vocab"
+EXPERT_GATED, EXPERT_ROW, EXPERT_COLUMN = "expert_gated", "expert_row", "expert_column"
+EXPERT_RULES = (EXPERT_GATED, EXPERT_ROW, EXPERT_COLUMN)
+"""The experts of a MoE layer, stacked ``[E, ...]``: EP rank e holds experts
+``[e*E/EP, (e+1)*E/EP)``, each as its own local tensor; inside an expert, expert tensor
+parallelism (ETP) splits fc1 as ``gated`` and fc2 as ``row``."""
+_LOCAL_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.mlp\.experts)\.local_experts\.(?P<j>\d+)\.(?P<rest>linear_fc[12]\.weight)$")
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
@@ -119,6 +128,16 @@ class ModelSpec:
     query_scale: float | None = None
     """Attention scores scaled by ``query_scale ** -0.5`` instead of ``head_dim ** -0.5``
     (Gemma 2/3's ``query_pre_attn_scalar``); None: head_dim."""
+    # Mixture of Experts: every layer's MLP is ``num_experts`` experts and a router
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    """Each expert's intermediate size (default ``ffn_hidden_size``)."""
+    moe_shared_expert_size: int | None = None
+    """The shared experts' intermediate size (``mlp.shared_experts``); None: none."""
+
+    @property
+    def moe_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn
 
     @property
     def global_vocab_rows(self) -> int:
@@ -167,8 +186,9 @@ def layer_params(spec: ModelSpec, i: int) -> list[Param]:
         Param(p + "self_attention.linear_qkv.weight", (qkv_rows, h), COLUMN),
         Param(p + "self_attention.linear_proj.weight", (h, spec.num_attention_heads * d), ROW),
         *(_norm(spec, p + "mlp.linear_fc1.layer_norm") if pre else []),
-        Param(p + "mlp.linear_fc1.weight", (fc1_rows, h), GATED if spec.swiglu else COLUMN),
-        Param(p + "mlp.linear_fc2.weight", (h, spec.ffn), ROW),
+        *(_moe_params(spec, p) if spec.num_experts else [
+            Param(p + "mlp.linear_fc1.weight", (fc1_rows, h), GATED if spec.swiglu else COLUMN),
+            Param(p + "mlp.linear_fc2.weight", (h, spec.ffn), ROW)]),
     ]
     if spec.norm_placement != "pre":  # after attention and after the MLP, before each residual add
         params += [*_norm(spec, p + "post_self_attn_layernorm"), *_norm(spec, p + "post_mlp_layernorm")]
@@ -186,10 +206,48 @@ def layer_params(spec: ModelSpec, i: int) -> list[Param]:
         params += [
             Param(p + "self_attention.linear_qkv.bias", (qkv_rows,), COLUMN),
             Param(p + "self_attention.linear_proj.bias", (h,), REPLICATED),
-            Param(p + "mlp.linear_fc1.bias", (fc1_rows,), GATED if spec.swiglu else COLUMN),
-            Param(p + "mlp.linear_fc2.bias", (h,), REPLICATED),
         ]
+        if not spec.num_experts:
+            params += [Param(p + "mlp.linear_fc1.bias", (fc1_rows,), GATED if spec.swiglu else COLUMN),
+                       Param(p + "mlp.linear_fc2.bias", (h,), REPLICATED)]
     return params
+
+
+def _moe_params(spec: ModelSpec, p: str) -> list[Param]:
+    """A MoE layer's MLP: the router (fp32 in Megatron-Core, every rank's), the experts
+    stacked ``[E, ...]`` (Megatron-Core's ``torch_dist`` view, one layer), shared experts
+    like a dense MLP."""
+    h, e, f = spec.hidden_size, spec.num_experts, spec.moe_ffn
+    params = [Param(p + "mlp.router.weight", (e, h), REPLICATED),
+              Param(p + "mlp.experts.experts.linear_fc1.weight", (e, 2 * f if spec.swiglu else f, h),
+                    EXPERT_GATED if spec.swiglu else EXPERT_COLUMN),
+              Param(p + "mlp.experts.experts.linear_fc2.weight", (e, h, f), EXPERT_ROW)]
+    if spec.moe_shared_expert_size:
+        s = spec.moe_shared_expert_size
+        params += [Param(p + "mlp.shared_experts.linear_fc1.weight", (2 * s if spec.swiglu else s, h),
+                         GATED if spec.swiglu else COLUMN),
+                   Param(p + "mlp.shared_experts.linear_fc2.weight", (h, s), ROW)]
+    return params
+
+
+def expert_name(key: str, j: int) -> str:
+    """The local name of local expert ``j``'s slice of the stacked expert tensor ``key``
+    (``...mlp.experts.experts.linear_fc1.weight`` -> ``...mlp.experts.local_experts.{j}.linear_fc1.weight``)."""
+    prefix, _, rest = key.partition(".mlp.experts.experts.")
+    return f"{prefix}.mlp.experts.local_experts.{j}.{rest}"
+
+
+def expert_of(local: str) -> tuple[str, int] | None:
+    """(the stacked expert tensor's key, the local expert index) of a local expert name;
+    None for any other name."""
+    m = _LOCAL_EXPERT.match(local)
+    return (f"{m.group('prefix')}.experts.{m.group('rest')}", int(m.group("j"))) if m else None
+
+
+def local_experts(spec: ModelSpec, topo: Topology, ep_rank: int) -> range:
+    """The global experts EP rank ``ep_rank`` holds."""
+    n = spec.num_experts // topo.ep
+    return range(ep_rank * n, (ep_rank + 1) * n)
 
 
 def _norm(spec: ModelSpec, prefix: str) -> list[Param]:
@@ -227,8 +285,24 @@ def check(spec: ModelSpec, topo: Topology) -> None:
                             f"TP ({tp})")
     if spec.groups % tp:
         raise TopologyError(f"query groups / kv heads ({spec.groups}) must be divisible by TP ({tp})")
-    if spec.ffn % tp:
+    if spec.ffn % tp and not spec.num_experts:
         raise TopologyError(f"ffn_hidden_size ({spec.ffn}) must be divisible by TP ({tp})")
+    if spec.num_experts:
+        if spec.num_experts % topo.ep:
+            raise TopologyError(f"the {spec.num_experts} experts must be divisible by EP ({topo.ep})",
+                                hint=f"EP sizes that work: {', '.join(map(str, ep_sizes(spec)))}")
+        if spec.moe_ffn % topo.expert_tp:
+            raise TopologyError(f"moe_ffn_hidden_size ({spec.moe_ffn}) must be divisible by ETP "
+                                f"({topo.expert_tp})")
+        if topo.expert_tp != tp:
+            raise TopologyError(f"expert tensor parallelism ETP{topo.expert_tp} other than TP{tp} "
+                                "is not laid out by ckptool yet", hint="Keep --to-etp equal to the TP")
+        if spec.moe_shared_expert_size and spec.moe_shared_expert_size % tp:
+            raise TopologyError(f"the shared experts' size ({spec.moe_shared_expert_size}) must be "
+                                f"divisible by TP ({tp})")
+    elif topo.ep > 1:
+        raise TopologyError(f"EP{topo.ep} needs a model with experts; this one has none",
+                            hint="Drop --ep/--to-ep")
     stage_layers(spec, pp, topo.vpp)  # raises for layers vs PP
 
 
@@ -281,11 +355,26 @@ class RankLayout:
     pp_rank: int
     tp_rank: int
     tensors: list[LocalTensor] = field(default_factory=list)
+    ep_rank: int = 0
 
 
-def split(param: Param, tp_rank: int, tp: int, padded_rows: int | None = None) -> Shard:
-    """The shard of ``param`` that TP rank ``tp_rank`` of ``tp`` holds, per its rule."""
+def ep_sizes(spec: ModelSpec) -> list[int]:
+    """The EP sizes a model's experts can be split into."""
+    return [n for n in range(1, spec.num_experts + 1) if spec.num_experts % n == 0]
+
+
+def split(param: Param, tp_rank: int, tp: int, padded_rows: int | None = None,
+          expert: int | None = None) -> Shard:
+    """The shard of ``param`` that TP rank ``tp_rank`` of ``tp`` holds, per its rule; for an
+    expert rule, of global expert ``expert`` (``tp_rank``/``tp``: the expert TP rank and size)."""
     shape, key = param.shape, param.key
+    if param.rule in EXPERT_RULES:
+        if expert is None:
+            raise ValueError(f"{key} is split per expert: give the expert")
+        inner_rule = {EXPERT_GATED: GATED, EXPERT_ROW: ROW, EXPERT_COLUMN: COLUMN}[param.rule]
+        inner = split(Param(key, shape[1:], inner_rule), tp_rank, tp)
+        return Shard(inner.shape, tuple(
+            (offset, Region(key, shape, (expert, *r.offsets), (1, *r.lengths))) for offset, r in inner.parts))
     if param.rule == REPLICATED:
         return Shard.of(Region.whole(key, shape))
     if param.rule == ROW:
@@ -315,33 +404,37 @@ def split(param: Param, tp_rank: int, tp: int, padded_rows: int | None = None) -
 
 
 def layout(spec: ModelSpec, topo: Topology) -> list[RankLayout]:
-    """Every (pp_rank, tp_rank)'s local tensors. DP replicas are not listed."""
+    """Every (pp_rank, tp_rank, ep_rank)'s local tensors. DP replicas are not listed; the
+    dense tensors of EP rank > 0 (EP re-divides data-parallel ranks) are replicas."""
     check(spec, topo)
     vocab_rows = spec.padded_vocab(topo.tp)
     stages = stage_layers(spec, topo.pp, topo.vpp)
     out = []
-    for p in range(topo.pp):
-        for t in range(topo.tp):
-            rank = RankLayout(p, t)
-            for chunk, layers in enumerate(stages[p]):
-                for local, i in enumerate(layers):
-                    for param in layer_params(spec, i):
-                        rank.tensors.append(LocalTensor(
-                            chunk, _local_name(param.key, i, local), split(param, t, topo.tp),
-                            replica=param.rule == REPLICATED and t > 0))
-            first, last = p == 0, p == topo.pp - 1
-            if first:
-                for param in first_stage_params(spec):
-                    rank.tensors.append(_whole(param, t, topo, vocab_rows, 0, replica=False))
-            if last:
-                last_chunk = len(stages[p]) - 1
-                for param in last_stage_params(spec):
-                    rank.tensors.append(_whole(param, t, topo, vocab_rows, last_chunk, replica=False))
-                if spec.tied_embeddings and not first:
-                    # The last stage keeps its own copy of the word embeddings for the head.
-                    emb = first_stage_params(spec)[0]
-                    rank.tensors.append(_whole(emb, t, topo, vocab_rows, last_chunk, replica=True))
-            out.append(rank)
+    for p, t, e in itertools.product(range(topo.pp), range(topo.tp), range(topo.ep)):
+        rank = RankLayout(p, t, ep_rank=e)
+        for chunk, layers in enumerate(stages[p]):
+            for local, i in enumerate(layers):
+                for param in layer_params(spec, i):
+                    name = _local_name(param.key, i, local)
+                    if param.rule in EXPERT_RULES:
+                        rank.tensors.extend(LocalTensor(chunk, expert_name(name, j), split(param, t, topo.tp, expert=g))
+                                            for j, g in enumerate(local_experts(spec, topo, e)))
+                    else:
+                        rank.tensors.append(LocalTensor(chunk, name, split(param, t, topo.tp),
+                                                        replica=(param.rule == REPLICATED and t > 0) or e > 0))
+        first, last = p == 0, p == topo.pp - 1
+        if first:
+            for param in first_stage_params(spec):
+                rank.tensors.append(_whole(param, t, topo, vocab_rows, 0, replica=e > 0))
+        if last:
+            last_chunk = len(stages[p]) - 1
+            for param in last_stage_params(spec):
+                rank.tensors.append(_whole(param, t, topo, vocab_rows, last_chunk, replica=e > 0))
+            if spec.tied_embeddings and not first:
+                # The last stage keeps its own copy of the word embeddings for the head.
+                emb = first_stage_params(spec)[0]
+                rank.tensors.append(_whole(emb, t, topo, vocab_rows, last_chunk, replica=True))
+        out.append(rank)
     return out
 
 

@@ -11,8 +11,10 @@ from ckptool.core.errors import TopologyError
 class Topology:
     """How a job is split. ``world = tp * pp * dp`` ("Total GPUs = TP x PP x DP").
 
-    Expert parallelism (``ep``) subdivides the data-parallel ranks for expert layers, so it
-    does not multiply the world size; it must divide ``dp``.
+    Expert parallelism (``ep``) re-divides the ranks of each pipeline stage for the expert
+    layers: ``tp * dp = etp * ep * expert-dp`` (Megatron-Core's rule), so it does not
+    multiply the world size. Expert tensor parallelism (``etp``) defaults to ``tp``; then
+    ``ep`` must divide ``dp``.
     """
 
     tp: int = 1
@@ -27,6 +29,8 @@ class Topology:
     """Virtual pipeline chunks per stage (Megatron interleaved schedule)."""
     zero: int = 0
     """ZeRO stage 0-3 on the DP axis (0: plain DP or Megatron distributed optimizer off)."""
+    etp: int | None = None
+    """Expert tensor-parallel size (Megatron ``expert_tensor_parallel_size``); None: ``tp``."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "ep", "vpp"):
@@ -35,10 +39,27 @@ class Topology:
                 raise TopologyError(f"Topology.{name} must be a positive integer, got {value!r}")
         if self.zero not in (0, 1, 2, 3):
             raise TopologyError(f"Topology.zero must be 0, 1, 2 or 3, got {self.zero!r}")
-        if self.dp % self.ep:
+        if self.etp is not None and (not isinstance(self.etp, int) or isinstance(self.etp, bool)
+                                     or self.etp < 1):
+            raise TopologyError(f"Topology.etp must be a positive integer, got {self.etp!r}")
+        if self.etp is None and self.dp % self.ep:
             raise TopologyError(f"expert parallel size ep={self.ep} must divide dp={self.dp}")
+        if (self.tp * self.dp) % (self.expert_tp * self.ep):
+            raise TopologyError(f"expert parallel ep={self.ep} x expert tensor parallel etp="
+                                f"{self.expert_tp} must divide tp x dp = {self.tp * self.dp} "
+                                "(Megatron-Core's expert-data-parallel rule)")
         if self.vpp > 1 and self.pp == 1:
             raise TopologyError("virtual pipeline (vpp > 1) needs pp > 1")
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size: ``etp``, or ``tp``."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert-data-parallel size: ``tp * dp / (etp * ep)``."""
+        return self.tp * self.dp // (self.expert_tp * self.ep)
 
     @property
     def world(self) -> int:
@@ -50,17 +71,22 @@ class Topology:
         return self.tp * self.pp
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if out["etp"] is None:  # the default (= tp): absent, as before ETP existed
+            del out["etp"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "Topology":
-        known = {k: int(v) for k, v in data.items() if k in cls.__dataclass_fields__}
+        known = {k: None if v is None else int(v) for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
     def __str__(self) -> str:
         text = f"TP{self.tp}/PP{self.pp}/DP{self.dp}"
         if self.ep > 1:
             text += f"/EP{self.ep}"
+        if self.etp is not None and self.etp != self.tp:
+            text += f"/ETP{self.etp}"
         if self.vpp > 1:
             text += f"/VPP{self.vpp}"
         if self.zero:

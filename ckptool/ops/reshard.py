@@ -35,7 +35,7 @@ class RewriteOptions:
     """Everything ``reshard`` and ``convert`` take besides SRC and DST (the CLI builds one)."""
 
     to: Mapping[str, int] = field(default_factory=dict)
-    """Target topology changes: tp, pp, dp, vpp, zero (missing ones keep the source's)."""
+    """Target topology changes: tp, pp, dp, vpp, zero, ep, etp (missing ones keep the source's)."""
     expect: Mapping[str, int] = field(default_factory=dict)
     """Assertions about the source topology (``reshard --tp/--pp/--dp``)."""
     workers: int = 1
@@ -174,9 +174,10 @@ def rewrite(opened: Opened, dst: str, fmt: str, options: RewriteOptions,
         raise UsageError("the source does not say what topology it holds",
                          path=opened.store.url, hint="Its format records no args/config")
     for name, value in options.expect.items():
-        if getattr(source_topo, name) != value:
+        held = source_topo.expert_tp if name == "etp" else getattr(source_topo, name)
+        if held != value:
             raise UsageError(f"--{name} {value} does not match the checkpoint, which is "
-                             f"{name.upper()}{getattr(source_topo, name)} ({source_topo})",
+                             f"{name.upper()}{held} ({source_topo})",
                              path=opened.store.url, hint=f"Drop --{name} or fix it")
     changes = dict(options.to)
     if "pp" in changes and "vpp" not in changes and changes["pp"] != source_topo.pp:

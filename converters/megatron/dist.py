@@ -108,6 +108,10 @@ class MegatronDistReader(DcpContainerReader):
                 index.tensors[key] = TensorInfo(key, info.shape, info.dtype, pieces)
         read_common(self, store, prefix + COMMON, index, lambda value, index_, source: dist_distopt.read(
             value, index_, source, lambda obj: self.read_object(store, obj)))
+        if (index.model_config or {}).get("num_experts"):
+            raise UnsupportedFormat("Mixture-of-Experts torch_dist checkpoints are not read yet (the "
+                                    "legacy mp_rank_* layout is)", path=store.url,
+                                    hint="Save with --ckpt-format torch to reshard experts now")
         return index
 
     def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
@@ -189,6 +193,9 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
 
     def plan(self, index, topo: Topology, spec: ModelSpec, schema: str = "mcore-te",
              with_optimizer: bool = True) -> list[TargetFile]:
+        if spec.num_experts:
+            raise UnsupportedFormat("Mixture-of-Experts torch_dist output is not written yet",
+                                    path=index.url, hint="--to megatron writes the legacy layout")
         it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)
         params = params_by_key(spec)
         padded = spec.padded_vocab(topo.tp)

@@ -105,6 +105,8 @@ class RankParams:
     ``"<chunk>/<local name>"``."""
     tensors: dict[str, LocalTensor]
     """``Param.name`` -> the layout's local tensor (its canonical regions), in the same order."""
+    ep: int = 0
+    """Expert-parallel rank (its files hold that rank's experts)."""
 
     def named(self) -> list[tuple[int, str, LocalTensor]]:
         """``(chunk, local name, local tensor)`` of every parameter, in named_parameters() order."""
@@ -128,7 +130,7 @@ def rank_params(spec: ModelSpec, topo: Topology, schema: str,
                                for chunk, _, uname, t in named), spec.tied_embeddings, topo.pp)
         tensors = {uname: t for _, _, uname, t in named}
         assert len(tensors) == len(named), "a schema gives two parameters of a rank one name"
-        out.append(RankParams(rank.tp_rank, rank.pp_rank, chunks, tensors))
+        out.append(RankParams(rank.tp_rank, rank.pp_rank, chunks, tensors, rank.ep_rank))
     return out
 
 

@@ -31,7 +31,7 @@ from ckptool.core import optimizer as canon
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
-from ckptool.core.layout import ModelSpec, stage_layers
+from ckptool.core.layout import ModelSpec, expert_of, local_experts, stage_layers
 from ckptool.core.regions import Shard
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
@@ -69,6 +69,7 @@ OPTIM_PATH = "@optim"
 DISTOPT_PATH = "@distopt"
 DISTRIB_OPTIM = "distrib_optim.pt"
 _LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_MODULE = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.(\d+)\.(.+)$")
 
 NAME = "megatron"
 FILE = "model_optim_rng.pt"
@@ -78,8 +79,10 @@ CARRIED = ("iteration", "checkpoint_version", "opt_param_scheduler",
            "num_floating_point_operations_so_far")
 
 
-def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """Megatron-LM's ``mp_rank_TT`` + ``_PPP`` when PP > 1 + ``_EEE`` when EP > 1."""
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + \
+        (f"_{ep_rank:03d}" if ep > 1 else "")
 
 
 def _has_rank_dirs(store: Store, rel: str = "") -> bool:
@@ -118,6 +121,16 @@ class _RankFile:
     tp: int
     pp: int
     rel: str
+    ep: int = 0
+    rest: tuple = ()
+    """The directory name's numbers after TP: ``(pp)``, ``(ep)`` or ``(pp, ep)``, which only
+    the args tell apart (:meth:`placed`)."""
+
+    def placed(self, topo: Topology) -> "_RankFile":
+        numbers = list(self.rest)
+        ep = numbers.pop() if topo.ep > 1 and numbers else 0
+        pp = numbers.pop() if topo.pp > 1 and numbers else 0
+        return _RankFile(self.tp, pp, self.rel, ep, self.rest)
 
 
 class MegatronReader(TorchFileReader):
@@ -147,7 +160,8 @@ class MegatronReader(TorchFileReader):
                 raise UnreadableInput("expert-parallel Megatron checkpoints are not supported yet",
                                       path=store.display(f"{base}/{name}" if base else name))
             rel = f"{base}/{name}/{FILE}" if base else f"{name}/{FILE}"
-            files.append(_RankFile(int(m.group(1)), int(m.group(2) or 0), rel))
+            rest = tuple(int(g) for g in m.groups()[1:] if g is not None)
+            files.append(_RankFile(int(m.group(1)), rest[0] if rest else 0, rel, rest=rest))
         if not files:
             raise BadCheckpoint("no rank directories", path=store.display(base))
         return sorted(files, key=lambda f: (f.pp, f.tp))
@@ -160,6 +174,7 @@ class MegatronReader(TorchFileReader):
             raise BadCheckpoint("rank file has no Megatron `args`", path=store.display(files[0].rel),
                                 hint="ckptool needs args to know the model layout")
         spec, topo, vocab_known = spec_from_args(args)
+        files = sorted((f.placed(topo) for f in files), key=lambda f: (f.pp, f.ep, f.tp))
         _check_rank_set(files, topo, store)
         version = first.get("checkpoint_version")
         index = CheckpointIndex(format=self.name, url=store.url, topology=topo,
@@ -179,7 +194,7 @@ class MegatronReader(TorchFileReader):
             archive = self._load(store, f.rel)
             data = archive.obj
             index.files[f.rel] = 1
-            if "rng_state" in data:
+            if "rng_state" in data and f.ep == 0:
                 index.objects[f"rank.{f.tp:02d}_{f.pp:03d}.rng_state"] = ObjectInfo(
                     "rng_state", value=archive.materialize(data["rng_state"]))
             mapped = {}  # "chunk/local name" -> (canonical, replica, shape, dtype)
@@ -196,10 +211,12 @@ class MegatronReader(TorchFileReader):
                         index.objects.setdefault(key, ObjectInfo(key, value=archive.materialize(value)))
                         continue
                     canonical, replica = to_canonical(schema, local_name, layers, spec.tied_embeddings)
+                    canonical, expert = _expert(canonical, spec, topo, f)
+                    replica = replica or (f.ep > 0 and expert is None)  # EP re-divides DP ranks
                     _add_piece(index, params, canonical, replica, f, (MODEL_PATH, chunk_key, local_name),
-                               value, padded, topo, store)
+                               value, padded, topo, store, expert=expert)
                     mapped[f"{chunk_key}/{local_name}"] = (canonical, replica, tuple(value.shape),
-                                                           value.dtype)
+                                                           value.dtype, expert)
             self._read_optimizer(store, index, f, data, mapped, params, padded, topo)
         if index.unmapped is not None:  # nothing half-mapped: the reason says why
             index.drop_layout(optim.Layout)
@@ -223,7 +240,7 @@ class MegatronReader(TorchFileReader):
             return
         if not data.get("optimizer"):
             return
-        names = [(n, len(shape), shape) for n, (_, _, shape, _) in mapped.items()]
+        names = [(n, len(shape), shape) for n, (_, _, shape, _, _) in mapped.items()]
         try:
             layout_ = optim.read(data["optimizer"], names, store.display(f.rel),
                                  self._load(store, f.rel).materialize)
@@ -231,10 +248,10 @@ class MegatronReader(TorchFileReader):
             _unmappable(index, exc.message)
             return
         for name, paths in layout_.tensors.items():
-            canonical, replica, _, _ = mapped[name]
+            canonical, replica, _, _, expert = mapped[name]
             for kind, path in paths.items():
                 ref = _resolve(data, path)
-                _add_piece(index, params, canonical, replica, f, path, ref, padded, topo, store,
+                _add_piece(index, params, canonical, replica, f, path, ref, padded, topo, store, expert=expert,
                            key=canon.state_key(kind, canonical))
         saved = index.layout(optim.Layout)
         meta = optim.Layout(layout_.fp16, {}, layout_.step, layout_.hyper,
@@ -253,9 +270,11 @@ class MegatronReader(TorchFileReader):
         index.files[rel] = 1
         args = index.objects["args"].value
         spec = ModelSpec(**index.model_config)
+        if spec.num_experts:  # expert parameters live in buffers of their own (expert-DP group)
+            raise UnreadableInput("a distributed optimizer with experts is not read yet", path=source)
         schema = index.layout(Names).schema
         entries = [(uname.split("/", 1)[0], uname, canonical, math.prod(shape), dtype)
-                   for uname, (canonical, _, shape, dtype) in mapped.items()]  # the file's order
+                   for uname, (canonical, _, shape, dtype, _) in mapped.items()]  # the file's order
         for chunk_key in dict.fromkeys(e[0] for e in entries):
             names = [e[1].split("/", 1)[1] for e in entries if e[0] == chunk_key]
             if sorted(names, key=lambda n: parameter_order(schema, n)) != names:
@@ -268,7 +287,7 @@ class MegatronReader(TorchFileReader):
         state = distopt.check_state(data.get("optimizer"), store.display(f.rel))
         for i, (buffer, key) in enumerate(zip(buffers, keys)):
             for uname, offset in buffer.offsets.items():
-                canonical, replica, _, _ = mapped[uname]
+                canonical, replica, _, _, _ = mapped[uname]
                 for kind, file_key in distopt.FILE_KEYS.items():
                     path = (i, key, file_key)
                     _add_piece(index, params, canonical, replica, f, path, _resolve(archive.obj, path),
@@ -311,16 +330,30 @@ def _global_module(local_module: str, layers: range) -> str:
 
 
 def _check_rank_set(files: list[_RankFile], topo: Topology, store: Store) -> None:
-    want = {(t, p) for t in range(topo.tp) for p in range(topo.pp)}
-    have = {(f.tp, f.pp) for f in files}
+    want = {(t, p, e) for t in range(topo.tp) for p in range(topo.pp) for e in range(topo.ep)}
+    have = {(f.tp, f.pp, f.ep) for f in files}
     if have != want:
         missing = sorted(want - have)
         extra = sorted(have - want)
+        shown = "" if topo.ep == 1 else f"/EP{topo.ep}"
         raise BadCheckpoint(
-            f"rank directories do not match args TP{topo.tp}/PP{topo.pp}: "
-            + (f"missing {[rank_dir(t, p, topo.pp) for t, p in missing]}" if missing else "")
-            + (f" unexpected {[rank_dir(t, p, topo.pp) for t, p in extra]}" if extra else ""),
+            f"rank directories do not match args TP{topo.tp}/PP{topo.pp}{shown}: "
+            + (f"missing {[rank_dir(t, p, topo.pp, e, topo.ep) for t, p, e in missing]}" if missing else "")
+            + (f" unexpected {[rank_dir(t, p, topo.pp, e, topo.ep) for t, p, e in extra]}" if extra else ""),
             path=store.url)
+
+
+def _expert(canonical: str | None, spec: ModelSpec, topo: Topology, f: _RankFile) -> tuple:
+    """(the stacked expert tensor's key, the global expert) of a local expert's canonical
+    name on rank file ``f``; ``(canonical, None)`` for every other tensor."""
+    found = expert_of(canonical) if canonical and spec.num_experts else None
+    if found is None:
+        return canonical, None
+    key, j = found
+    experts = local_experts(spec, topo, f.ep)
+    if j >= len(experts):
+        return f"<local expert {j} beyond this EP rank's {len(experts)}>", None
+    return key, experts[j]
 
 
 def _iteration(data: dict) -> int | None:
@@ -427,6 +460,10 @@ class MegatronWriter(UnevenStages, Writer):
 
     def plan(self, index: CheckpointIndex, topo: Topology, spec: ModelSpec,
              schema: str = "mcore-local", with_optimizer: bool = True) -> list[TargetFile]:
+        if spec.num_experts and schema != "mcore-local":
+            raise UsageError(f"Mixture-of-Experts output is written under mcore-local names only "
+                             f"(Megatron-Core's local spec), not {schema}",
+                             hint="Pass --megatron-names mcore-local")
         if schema == "legacy" and (spec.groups != spec.num_attention_heads or spec.qk_layernorm):
             what = "QK norms" if spec.qk_layernorm else "grouped-query attention"
             raise UsageError(f"pre-mcore (legacy) names cannot express {what} here",
@@ -441,7 +478,7 @@ class MegatronWriter(UnevenStages, Writer):
         # the dtypes matter only to lay out the distributed optimizer's buffers
         dtype_of = (lambda t: source_dtype(index, _key(t))) if distributed else (lambda t: None)
         for rank in distopt.rank_params(spec, topo, schema, dtype_of):
-            rank_path = f"{it_dir}/{rank_dir(rank.tp, rank.pp, topo.pp)}"
+            rank_path = f"{it_dir}/{rank_dir(rank.tp, rank.pp, topo.pp, rank.ep, topo.ep)}"
             target = TargetFile(f"{rank_path}/{FILE}",
                                 context=RankFile(
                                     rank.tp, rank.pp, schema, spec, topo, optim_layout,
@@ -543,7 +580,8 @@ class MegatronWriter(UnevenStages, Writer):
             flat = dict(chunks.get(chunk_key, {}))
             if not SCHEMAS[schema].nested:
                 flat.update(_extra_states(index, chunk_layers, ctx.pp == 0 and c == 0,
-                                          ctx.pp == topo.pp - 1 and c == len(stages) - 1))
+                                          ctx.pp == topo.pp - 1 and c == len(stages) - 1,
+                                          spec.num_experts // topo.ep if spec.num_experts else 0))
             state[chunk_key] = _unflatten(flat, nested=SCHEMAS[schema].nested)
         if ctx.optimizer is not None:
             params = [(f"{c}/{n}", len(p.shape)) for c, entries in chunks.items() for n, p in entries.items()
@@ -587,10 +625,18 @@ def _pick_rng(index: CheckpointIndex, tp: int, pp: int):
     return copy.deepcopy(obj.value) if obj else None
 
 
-def _extra_states(index: CheckpointIndex, chunk_layers: range, first: bool, last: bool) -> dict:
+def _extra_states(index: CheckpointIndex, chunk_layers: range, first: bool, last: bool,
+                  local_experts: int = 0) -> dict:
     """``_extra_state`` entries of this file's modules (mcore only): carried from the source,
-    or, when the source format has none, the empty ones Megatron-Core's modules expect."""
+    or, when the source format has none, the empty ones Megatron-Core's modules expect. A
+    local expert's entry is the same for every expert: each of the target's
+    ``local_experts`` gets the one the source has for that layer and module."""
     found = {k[len("extra:"):]: o.value for k, o in index.objects.items() if k.startswith("extra:")}
+    for module in [m for m in found if _EXPERT_MODULE.match(m)]:
+        value = found.pop(module)
+        m = _EXPERT_MODULE.match(module)
+        for j in range(local_experts):
+            found.setdefault(f"{m.group(1)}.local_experts.{j}.{m.group(3)}", value)
     if not found:
         found = {f"decoder.layers.{g}.{module}": None for g in chunk_layers
                  for module in EXTRA_STATE_MODULES}

@@ -92,7 +92,10 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
                               hint="Check --true-vocab-size")
     dp = int(_get(args, "data_parallel_size", 0) or
              max(1, int(_get(args, "world_size", tp * pp)) // (tp * pp)))
-    topo = Topology(tp=tp, pp=pp, dp=dp, vpp=int(vpp or 1))
+    ep = int(_get(args, "expert_model_parallel_size", 1))
+    etp = _get(args, "expert_tensor_parallel_size")
+    topo = Topology(tp=tp, pp=pp, dp=dp, vpp=int(vpp or 1), ep=ep,
+                    etp=None if etp is None or int(etp) == tp else int(etp))
     return spec, topo, bool(true_vocab)
 
 
@@ -130,6 +133,10 @@ def _features(args: argparse.Namespace) -> dict:
         out["window_size"] = window
     if _get(args, "use_rope_scaling", False):
         out.update(rope_scaling="llama3", **MCORE_ROPE_SCALING)
+    experts = _get(args, "num_experts")
+    if experts:
+        out.update(num_experts=int(experts), moe_ffn_hidden_size=_get(args, "moe_ffn_hidden_size"),
+                   moe_shared_expert_size=_get(args, "moe_shared_expert_intermediate_size"))
     return out
 
 
@@ -351,6 +358,9 @@ def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology
     new.virtual_pipeline_model_parallel_size = topo.vpp if topo.vpp > 1 else None
     if topo.vpp > 1:
         new.num_layers_per_virtual_pipeline_stage = spec.num_layers // topo.pp // topo.vpp
+    if spec.num_experts:
+        new.expert_model_parallel_size = topo.ep
+        new.expert_tensor_parallel_size = topo.expert_tp
     new.decoder_first_pipeline_num_layers = spec.first_stage_layers
     new.decoder_last_pipeline_num_layers = spec.last_stage_layers
     if true_vocab_size:

@@ -20,10 +20,11 @@ from ckptool.core.torchfile import TensorRef
 
 
 def add_piece(index, params, canonical, replica, f, path, value, padded, topo, store, key=None,
-              file=None, base=None):
+              file=None, base=None, expert=None):
     """Record ``value`` (at ``path`` in ``file``, default the rank file ``f.rel``) as the TP
-    shard of ``canonical`` that TP rank ``f.tp`` holds; with ``base``, the shard is the flat
-    slice of ``value`` that starts there (distributed optimizer vectors)."""
+    shard of ``canonical`` that TP rank ``f.tp`` holds (of global expert ``expert`` for a
+    stacked expert tensor); with ``base``, the shard is the flat slice of ``value`` that
+    starts there (distributed optimizer vectors)."""
     file = file or f.rel
     param = params.get(canonical) if canonical else None
     if param is None:
@@ -31,7 +32,7 @@ def add_piece(index, params, canonical, replica, f, path, value, padded, topo, s
                             path=store.display(file), key=canonical)
     if not isinstance(value, TensorRef):
         raise BadCheckpoint("expected a tensor", path=store.display(file), key=str(path[-1]))
-    shard = split(param, f.tp, topo.tp, padded)
+    shard = split(param, f.tp, topo.tp, padded, expert=expert)
     if base is None and tuple(value.shape) != shard.shape:
         raise BadCheckpoint(f"local tensor is {list(value.shape)}, the layout from args says "
                             f"{list(shard.shape)}", path=store.display(file), key=str(path[-1]))

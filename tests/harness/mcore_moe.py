@@ -1,0 +1,196 @@
+"""Real megatron-core MoE GPT models on CPU (gloo): SequentialMLP experts (the local spec),
+built at TP/EP (ETP = TP, PP = 1), saved in Megatron-LM's legacy layout and loaded back, with
+a real forward. Runs in spawned processes; the dense helpers come from :mod:`tests.harness.mcore`.
+
+Shims (test only, per DESIGN.md "Mixture of Experts"): mcore.py's, plus
+``moe_utils.te_general_gemm = None`` (0.16.1's router names it, but it exists only with
+Transformer Engine), and the ``allgather`` token dispatcher, which needs nothing more.
+
+Every parameter is overwritten from a seed of its global name (an expert's by its global
+index), cut for this rank as Megatron-Core cuts it, so the global model is the same at any
+TP and EP; a seeded build alone is not (each rank draws only its local experts from the
+global RNG, which shifts every later layer's draws).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import tests.harness.mcore as M
+
+MOE = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
+       "ffn_hidden_size": 48, "vocab_size": 250, "swiglu": True, "tied": False, "bias": False,
+       "norm": "RMSNorm", "pos": "rope", "max_pos": M.SEQ, "divisible_by": 128,
+       "num_experts": 4, "moe_ffn_hidden_size": 24, "topk": 2}
+"""A tiny Llama-style MoE (Mixtral-like): every layer's MLP is E experts, top-k routed."""
+
+ITERATION = 10
+_EXPERT = re.compile(r"(\.local_experts\.)(\d+)(\.)")
+
+
+def moe_args(m: dict, tp: int, pp: int, ep: int) -> argparse.Namespace:
+    """The args Megatron-LM stores for a MoE run of tp*pp*ep processes (DP = EP, ETP = TP)."""
+    args = M.megatron_args(m, tp, pp)
+    world = tp * pp * ep
+    vars(args).update(
+        num_experts=m["num_experts"], moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
+        moe_router_topk=m["topk"], moe_layer_freq=1, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp, moe_router_score_function="softmax",
+        moe_router_pre_softmax=False, moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False, moe_expert_capacity_factor=None,
+        moe_shared_expert_intermediate_size=None, world_size=world,
+        data_parallel_size=world // (tp * pp))
+    return args
+
+
+def rank_dir(tp_rank: int, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
+    """Megatron-LM's legacy rank directory: ``mp_rank_TT`` [``_PPP`` if PP>1] [``_EEE`` if EP>1]."""
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + \
+        (f"_{ep_rank:03d}" if ep > 1 else "")
+
+
+def _init(rank, tp, ep, port):
+    """mcore.py's shims, with expert parallelism (EP=ep, ETP=tp) on tp*ep processes."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=tp * ep)
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=tp)
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    M._sliding_window_mask_on_cpu()
+    return parallel_state
+
+
+def _model(m: dict, tp: int, ep: int):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    act = torch.nn.functional.silu if m["swiglu"] else torch.nn.functional.gelu
+    cfg = TransformerConfig(
+        num_layers=m["num_layers"], hidden_size=m["hidden_size"],
+        num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
+        ffn_hidden_size=m["ffn_hidden_size"], use_cpu_initialization=True,
+        gated_linear_unit=m["swiglu"], activation_func=act, add_bias_linear=m["bias"],
+        normalization=m["norm"], params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp, hidden_dropout=0.0, attention_dropout=0.0,
+        num_moe_experts=m["num_experts"], moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
+        moe_router_topk=m["topk"], moe_router_score_function="softmax",
+        moe_router_pre_softmax=False, moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False, moe_expert_capacity_factor=None,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
+    spec = get_gpt_layer_local_spec(num_experts=m["num_experts"], moe_grouped_gemm=False,
+                                    normalization=m["norm"])
+    return GPTModel(config=cfg, transformer_layer_spec=spec,
+                    vocab_size=M.padded(m["vocab_size"], m["divisible_by"], tp),
+                    max_sequence_length=M.SEQ, pre_process=True, post_process=True,
+                    share_embeddings_and_output_weights=m["tied"], position_embedding_type=m["pos"])
+
+
+def global_name(name: str, ep_rank: int, local_experts: int) -> str:
+    """A parameter's name with its local expert index made global (``ep_rank*E/EP + j``)."""
+    return _EXPERT.sub(lambda x: f"{x[1]}{ep_rank * local_experts + int(x[2])}{x[3]}", name)
+
+
+def _global_value(name: str, shape: list[int], m: dict) -> torch.Tensor:
+    """The global tensor ``name`` of the harness model: norms 1 + 0.1·N, matrices N/sqrt(fan in);
+    vocab rows past the true vocabulary (padding) are zero."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    if "norm" in name:
+        return 1 + 0.1 * torch.randn(shape, generator=g)
+    rows = min(shape[0], m["vocab_size"]) if name in ("embedding.word_embeddings.weight",
+                                                      "output_layer.weight") else shape[0]
+    out = torch.zeros(shape)
+    out[:rows] = torch.randn([rows, *shape[1:]], generator=g) / shape[-1] ** 0.5
+    return out
+
+
+def _randomize(ps, model, m: dict) -> None:
+    """Overwrite every parameter with its global value's piece for this rank (TP pieces cut as
+    ``_initialize_affine_weight_cpu`` cuts them: stride·TP chunks, every TP-th one)."""
+    ep_rank = ps.get_expert_model_parallel_rank()
+    local = m["num_experts"] // ps.get_expert_model_parallel_world_size()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            expert = ".local_experts." in name
+            if expert:
+                rank, world = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+            else:
+                rank, world = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+            shape = list(p.shape)
+            split = getattr(p, "tensor_model_parallel", False)
+            if split:
+                shape[p.partition_dim] *= world
+            full = _global_value(global_name(name, ep_rank, local), shape, m)
+            if split:
+                chunks = full.chunk(p.partition_stride * world, dim=p.partition_dim)
+                full = torch.cat(chunks[rank::world], dim=p.partition_dim)
+            p.copy_(full)
+
+
+def _save_moe_worker(rank, m, tp, ep, root, port):
+    ps = _init(rank, tp, ep, port)
+    torch.manual_seed(1234)
+    model = _model(m, tp, ep)
+    _randomize(ps, model, m)
+    if ps.get_expert_data_parallel_rank() == 0:  # one writer per (tp, pp, ep)
+        d = Path(root) / f"iter_{ITERATION:07d}" / rank_dir(
+            ps.get_tensor_model_parallel_rank(), 0, ps.get_expert_model_parallel_rank(), 1, ep)
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save({"args": moe_args(m, tp, 1, ep), "iteration": ITERATION,
+                    "checkpoint_version": 3.0, "model": model.state_dict()}, d / "model_optim_rng.pt")
+    if rank == 0:
+        (Path(root) / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    logits = M._forward(ps, model, m, tp, 1)
+    if rank == 0:
+        torch.save(logits, Path(root).parent / f"{Path(root).name}.logits.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _load_moe_worker(rank, m, tp, ep, root, out, port):
+    ps = _init(rank, tp, ep, port)
+    model = _model(m, tp, ep)
+    tracker = (Path(root) / "latest_checkpointed_iteration.txt").read_text().strip()
+    d = Path(root) / f"iter_{int(tracker):07d}" / rank_dir(
+        ps.get_tensor_model_parallel_rank(), 0, ps.get_expert_model_parallel_rank(), 1, ep)
+    state = torch.load(d / "model_optim_rng.pt", weights_only=False)
+    # Megatron-LM's loader asserts TP; it does not compare EP (check_checkpoint_args), but a
+    # file of another EP holds other experts under the same local names.
+    assert state["args"].tensor_model_parallel_size == tp
+    assert state["args"].expert_model_parallel_size == ep
+    assert "iteration" in state
+    model.load_state_dict(state["model"], strict=True)
+    logits = M._forward(ps, model, m, tp, 1)
+    if rank == 0:
+        torch.save(logits, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def save_moe(m: dict, tp: int, ep: int, root: Path) -> torch.Tensor:
+    """Build the MoE model at TP=tp, EP=ep on tp*ep processes, save it in the legacy layout
+    (``root/iter_0000010/mp_rank_TT[_EEE]/model_optim_rng.pt``); return its logits."""
+    M._spawn(_save_moe_worker, tp * ep, m, tp, ep, str(root))
+    return torch.load(root.parent / f"{root.name}.logits.pt")
+
+
+def load_moe_logits(m: dict, tp: int, ep: int, root: Path) -> torch.Tensor:
+    """Load a legacy MoE checkpoint into real mcore models at TP=tp, EP=ep; return logits."""
+    out = root.parent / f"{root.name}.loaded-logits.pt"
+    M._spawn(_load_moe_worker, tp * ep, m, tp, ep, str(root), str(out))
+    return torch.load(out)
