@@ -87,11 +87,78 @@ def test_impossible_ep_targets_are_refused_before_anything_is_written(ep2, tmp_p
     assert not dst.exists()
 
 
-@pytest.mark.parametrize("target", ["hf", "dcp"])
-def test_outputs_without_megatron_args_refuse_experts(ep2, tmp_path, run_cli, target):
-    """The router's settings live in Megatron args only: an output without them is refused."""
+# ----------------------------------------------------------------- Hugging Face Mixtral
+
+
+def make_mixtral(root, m=M.MOE):
+    transformers = peer("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], intermediate_size=m["moe_ffn_hidden_size"],
+        num_hidden_layers=m["num_layers"], num_attention_heads=m["num_attention_heads"],
+        num_key_value_heads=m["num_query_groups"], num_local_experts=m["num_experts"],
+        num_experts_per_tok=m["topk"], rms_norm_eps=1e-5, max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        initializer_range=0.1)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    model.save_pretrained(root)
+    return model
+
+
+def test_mixtral_to_megatron_tp2_ep2_runs_in_megatron_core_and_comes_back(tmp_path, run_cli):
+    """HF Mixtral -> megatron --tp 2 --ep 2 -> real megatron-core gives transformers' logits;
+    -> hf again gives them too (the router and every expert in their places)."""
+    from tests.harness.hf import hf_logits, load_hf
+
+    src = tmp_path / "mixtral"
+    model = make_mixtral(src)
+    want = hf_logits(model, M.MOE["vocab_size"])
+    dst = tmp_path / "mg"
+    r = run_cli("convert", src, dst, "--to", "megatron", "--tp", 2, "--ep", 2, "--dp", 2)
+    assert r.code == 0, r.err
+    assert_close(M.load_moe_logits(M.MOE, 2, 2, dst), want)
+    back = tmp_path / "back"
+    r = run_cli("convert", dst, back, "--to", "hf")
+    assert r.code == 0, r.err
+    assert_close(hf_logits(load_hf(back, dtype=torch.float32, attn_implementation="eager"),
+                           M.MOE["vocab_size"]), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("via", ["hf", "dcp"])
+def test_megatron_core_moe_converts_to_mixtral_with_its_logits(ep2, tmp_path, run_cli, via):
+    from tests.harness.hf import hf_logits, load_hf
+
+    src, want = ep2
+    mid = tmp_path / via
+    r = run_cli("convert", src, mid, "--to", via, "--true-vocab-size", M.MOE["vocab_size"])
+    assert r.code == 0, r.err
+    out = mid
+    if via == "dcp":
+        out = tmp_path / "hf"
+        r = run_cli("convert", mid, out, "--to", "hf")
+        assert r.code == 0, r.err
+    model = load_hf(out, dtype=torch.float32, attn_implementation="eager")
+    assert type(model).__name__ == "MixtralForCausalLM"
+    assert_close(hf_logits(model, M.MOE["vocab_size"]), want)
+
+
+def test_other_routers_are_refused_where_the_args_are_not_kept(ep2, tmp_path, run_cli):
+    """A router that is not Mixtral's (sigmoid scores, as DeepSeek-V3's) cannot be written
+    as an HF or dcp model: refused, naming the arg."""
     src, _ = ep2
-    dst = tmp_path / "out"
-    r = run_cli("convert", src, dst, "--to", target, "--true-vocab-size", M.MOE["vocab_size"])
-    assert r.code == 2 and "num_experts=4" in r.err and "Traceback" not in r.err, r.err
-    assert not dst.exists()
+    bad = tmp_path / "sigmoid"
+    shutil.copytree(src, bad)
+    for f in bad.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(f, weights_only=False)
+        state["args"].moe_router_score_function = "sigmoid"
+        torch.save(state, f)
+    for target in ("hf", "dcp"):
+        dst = tmp_path / target
+        r = run_cli("convert", bad, dst, "--to", target, "--true-vocab-size", M.MOE["vocab_size"])
+        assert r.code == 2 and "moe_router_score_function='sigmoid'" in r.err, r.err
+        assert not dst.exists()

@@ -134,6 +134,9 @@ class ModelSpec:
     """Each expert's intermediate size (default ``ffn_hidden_size``)."""
     moe_shared_expert_size: int | None = None
     """The shared experts' intermediate size (``mlp.shared_experts``); None: none."""
+    moe_router_topk: int = 2
+    """Experts per token. The router is Mixtral's: softmax over the chosen experts' logits
+    (= softmax, top-k, renormalise); other routers are refused where they cannot be written."""
 
     @property
     def moe_ffn(self) -> int:

@@ -35,7 +35,9 @@ class Entry:
 
     ``shape`` is the row-order (Linear, ``[out, in]``) shape; with ``transposed`` the store
     holds its transpose (GPT-2 ``Conv1D``). Each part is ``(flat offset, region)``: the
-    region's rows are ``offset // row`` onwards, and it spans every other dimension."""
+    region's rows are ``offset // row`` onwards, and it spans every other dimension. A region
+    of higher rank than the stored tensor (one expert of a stacked ``[E, ...]`` tensor) has
+    leading dimensions of length 1: the stored tensor is its slice there."""
 
     name: str
     shape: tuple[int, ...]
@@ -53,7 +55,12 @@ class Entry:
     def row_blocks(self) -> list[tuple[int, int, Region]]:
         """``(first stored row, row count, canonical region)`` per part."""
         row = math.prod(self.shape[1:])
-        return [(offset // row, region.lengths[0], region) for offset, region in self.parts]
+        return [(offset // row, region.lengths[_lead(self, region)], region) for offset, region in self.parts]
+
+
+def _lead(e: "Entry", region: Region) -> int:
+    """How many leading dimensions (each of length 1) ``region`` has beyond the stored tensor's."""
+    return len(region.global_shape) - len(e.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +72,8 @@ class Remapped:
     piece: Piece
     shift: int
     transposed: bool
+    lead: int = 0
+    """Leading canonical dimensions (of length 1) the stored tensor does not have."""
 
 
 @dataclass
@@ -103,7 +112,7 @@ def remap(index: CheckpointIndex, entries: list[Entry], prefixes: tuple[str, ...
                         out.tensors[prefix + region.key].pieces.append(Piece(
                             Region(prefix + region.key, region.global_shape, *new),
                             Location(piece.location.file,
-                                     detail=Remapped(piece, shift, e.transposed))))
+                                     detail=Remapped(piece, shift, e.transposed, _lead(e, region)))))
     unused = sorted(k for k in index.tensors if k not in used)
     return Remap(out, unused, missing)
 
@@ -117,8 +126,10 @@ def _canonical_boxes(e: Entry, box):
     for r0, n, region in e.row_blocks():
         a, b = max(lo, r0), min(hi, r0 + n)
         if a < b:
-            shift = region.offsets[0] - r0
-            yield region, shift, ((a + shift, *offsets[1:]), (b - a, *lengths[1:]))
+            k = _lead(e, region)
+            shift = region.offsets[k] - r0
+            yield region, shift, ((*region.offsets[:k], a + shift, *offsets[1:]),
+                                  ((1,) * k + (b - a, *lengths[1:])))
 
 
 def stored_box(piece: Piece, box, out: torch.Tensor):
@@ -128,6 +139,8 @@ def stored_box(piece: Piece, box, out: torch.Tensor):
     if not isinstance(detail, Remapped):
         return piece, box, out
     offsets, lengths = box
+    for _ in range(detail.lead):  # the stored tensor is the canonical one's slice there
+        offsets, lengths, out = offsets[1:], lengths[1:], out[0]
     offsets = (offsets[0] - detail.shift, *offsets[1:])
     if detail.transposed:
         offsets, lengths, out = tuple(reversed(offsets)), tuple(reversed(lengths)), out.t()

@@ -33,6 +33,11 @@ class HfModelWriter(DeepSpeedWriter):
         return index.layout(Layout) is None and model is not None and model.family is not None
 
     def engine_layout(self, index: CheckpointIndex, source: Topology, target: Topology) -> Layout:
+        if (index.model_config or {}).get("num_experts"):
+            raise UsageError("a Mixture-of-Experts model is not written as a DeepSpeed engine yet: "
+                             "transformers holds its experts fused (mlp.experts.gate_up_proj), not "
+                             "under the names its files have", path=index.url,
+                             hint="Convert to megatron or dcp")
         return _hf_layout(index, target, self.param_groups or "decay")
 
     def config_json(self) -> bytes | None:

@@ -638,8 +638,9 @@ def _extra_states(index: CheckpointIndex, chunk_layers: range, first: bool, last
         for j in range(local_experts):
             found.setdefault(f"{m.group(1)}.local_experts.{j}.{m.group(3)}", value)
     if not found:
-        found = {f"decoder.layers.{g}.{module}": None for g in chunk_layers
-                 for module in EXTRA_STATE_MODULES}
+        modules = EXTRA_STATE_MODULES if not local_experts else EXTRA_STATE_MODULES[:2] + tuple(
+            f"mlp.experts.local_experts.{j}.linear_fc{k}" for j in range(local_experts) for k in (1, 2))
+        found = {f"decoder.layers.{g}.{module}": None for g in chunk_layers for module in modules}
         found["output_layer"] = None
     out = {}
     for module, value in found.items():

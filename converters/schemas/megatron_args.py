@@ -136,7 +136,8 @@ def _features(args: argparse.Namespace) -> dict:
     experts = _get(args, "num_experts")
     if experts:
         out.update(num_experts=int(experts), moe_ffn_hidden_size=_get(args, "moe_ffn_hidden_size"),
-                   moe_shared_expert_size=_get(args, "moe_shared_expert_intermediate_size"))
+                   moe_shared_expert_size=_get(args, "moe_shared_expert_intermediate_size"),
+                   moe_router_topk=int(_get(args, "moe_router_topk", 2)))
     return out
 
 
@@ -254,8 +255,19 @@ MATH_ARGS = {
     "quick_geglu": ("false", _off),
     "glu_linear_offset": ("0", lambda v, a: v in (None, 0)),
     "activation_func_clamp_value": ("null", lambda v, a: v is None),
-    "num_experts": ("null", lambda v, a: not v),
+    # experts: mapped with Mixtral's router (softmax over the chosen experts' logits, every
+    # layer MoE, no token dropping); any other router setting is refused
     "num_moe_experts": ("null", lambda v, a: not v),
+    "moe_router_score_function": ("softmax", lambda v, a: v in (None, "softmax")),
+    "moe_router_pre_softmax": ("false", _off),
+    "moe_router_topk_scaling_factor": ("null", lambda v, a: v in (None, 1, 1.0)),
+    "moe_router_enable_expert_bias": ("false", _off),
+    "moe_router_num_groups": ("null", lambda v, a: not v),
+    "moe_router_group_topk": ("null", lambda v, a: not v),
+    "moe_expert_capacity_factor": ("null (no token dropping)", lambda v, a: v is None),
+    "moe_input_jitter_eps": ("null", lambda v, a: v is None),
+    "moe_layer_freq": ("1 (every layer MoE)", lambda v, a: v in (None, 1)),
+    "moe_shared_expert_intermediate_size": ("null", lambda v, a: not v),
     "multi_latent_attention": ("false", _off),
     "experimental_attention_variant": ("null", lambda v, a: v is None),
     "linear_attention_freq": ("null", lambda v, a: v is None),
@@ -359,6 +371,11 @@ def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology
     if topo.vpp > 1:
         new.num_layers_per_virtual_pipeline_stage = spec.num_layers // topo.pp // topo.vpp
     if spec.num_experts:
+        if args is None:  # Mixtral's router, which the spec means (see MATH_ARGS)
+            new.num_experts, new.moe_ffn_hidden_size = spec.num_experts, spec.moe_ffn
+            new.moe_router_topk, new.moe_router_score_function = spec.moe_router_topk, "softmax"
+            new.moe_router_pre_softmax, new.moe_layer_freq = False, 1
+            new.moe_grouped_gemm, new.moe_expert_capacity_factor = False, None
         new.expert_model_parallel_size = topo.ep
         new.expert_tensor_parallel_size = topo.expert_tp
     new.decoder_first_pipeline_num_layers = spec.first_stage_layers

@@ -14,6 +14,7 @@ from converters.schemas.families import (
     gpt2,
     llama,
     mistral,
+    mixtral,
     olmo2,
     phi3,
     qwen2,
@@ -23,6 +24,6 @@ from converters.schemas.families.base import FEATURES, Family, Problem
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY, gpt2.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY,
-    gemma.FAMILY, gemma.GEMMA2, gemma.GEMMA3, olmo2.FAMILY)}
+    gemma.FAMILY, gemma.GEMMA2, gemma.GEMMA3, olmo2.FAMILY, mixtral.FAMILY)}
 
 __all__ = ["FAMILIES", "FEATURES", "Family", "Problem"]

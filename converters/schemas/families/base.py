@@ -125,6 +125,24 @@ PARTS: dict[str, Part] = {
     "post_mlp_norm": _whole("post_mlp_layernorm.weight", _H),
 }
 """Every canonical part of a transformer layer an HF tensor can be."""
+PARTS["router"] = _whole("mlp.router.weight", lambda s: (s.num_experts, s.hidden_size))
+
+
+def _expert(which: str):
+    """Expert ``e``'s slice of a stacked expert tensor: fc1's gate or up half, or fc2."""
+    def part(spec, p, e):
+        f, h, n = spec.moe_ffn, spec.hidden_size, spec.num_experts
+        if which == "fc2":
+            shape = (n, h, f)
+            return (h, f), ((0, Region(p + "mlp.experts.experts.linear_fc2.weight", shape, (e, 0, 0), (1, h, f))),)
+        shape = (n, 2 * f, h)
+        start = 0 if which == "gate" else f
+        return (f, h), ((0, Region(p + "mlp.experts.experts.linear_fc1.weight", shape, (e, start, 0), (1, f, h))),)
+    return part
+
+
+EXPERT_PARTS = {"expert_gate": _expert("gate"), "expert_up": _expert("up"), "expert_fc2": _expert("fc2")}
+"""Parts of one expert (``{e}`` in the HF name): Mixtral's w1, w3 and w2."""
 
 
 @dataclass(frozen=True)
@@ -297,6 +315,11 @@ class Family:
             for t in self.layer_tensors:
                 if t.when and not getattr(spec, t.when):
                     continue
+                if t.part in EXPERT_PARTS:  # one HF tensor per expert: {e}
+                    for e in range(spec.num_experts):
+                        shape, parts = EXPERT_PARTS[t.part](spec, f"decoder.layers.{i}.", e)
+                        out.append(HfTensor(prefix + t.name.format(e=e), shape, parts, t.transposed))
+                    continue
                 shape, parts = PARTS[t.part](spec, f"decoder.layers.{i}.")
                 out.append(HfTensor(prefix + t.name, shape, parts, t.transposed))
         for t in self.final:
@@ -361,6 +384,8 @@ FEATURES: dict[str, Callable[[ModelSpec], bool]] = {
     "attn_softcap": lambda s: s.attn_softcap is not None,
     "final_softcap": lambda s: s.final_softcap is not None,
     "query_scale": lambda s: s.query_scale is not None,
+    "experts": lambda s: s.num_experts is not None,
+    "shared_experts": lambda s: s.moe_shared_expert_size is not None,
 }
 """Features a model may have (each: is it on?); a family fixes one, or lists the ones it
 can express in ``features``."""
