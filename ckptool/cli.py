@@ -139,6 +139,11 @@ def inspect(ckpt: str, top: int, as_json: bool, quiet: bool):
     if res.model_config:
         cfg = ", ".join(f"{k}={v}" for k, v in list(res.model_config.items())[:8])
         lines.append(f"  model       {cfg}")
+        experts = res.model_config.get("num_experts")
+        if experts:
+            ep = (res.topology or {}).get("ep", 1)
+            lines.append(f"  experts     {experts} per MoE layer, top-{res.model_config.get('moe_router_topk')}, "
+                         f"{experts // ep} per EP rank at EP{ep} (ETP {(res.topology or {}).get('etp') or 'TP'})")
     if res.bytes_by_dtype:
         lines.append("  by dtype    " + ", ".join(f"{k} {_size(v)}" for k, v in res.bytes_by_dtype.items()))
     lines.append(f"  optimizer   {res.optimizer or 'none'}")
@@ -400,6 +405,7 @@ def convert(src, dst, to_format, tp, pp, dp, zero, ep, etp, megatron_names, mode
 @click.option("--gpus", type=_SIZE, required=True, help="GPUs of the job.")
 @click.option("--tp", type=_SIZE, required=True, help="Tensor-parallel size.")
 @click.option("--pp", type=_SIZE, required=True, help="Pipeline-parallel size.")
+@click.option("--ep", type=_SIZE, default=1, show_default=True, help="Expert-parallel size (MoE models).")
 @click.option("--model", "model_path", metavar="CONFIG",
               help="HF config.json, Megatron args (JSON) or a checkpoint.")
 @click.option("--params", help="Parameter count instead of a model, e.g. 70B, 175B.")
@@ -416,7 +422,7 @@ def convert(src, dst, to_format, tp, pp, dp, zero, ep, etp, megatron_names, mode
 @click.option("--from", "from_ckpt", metavar="CKPT",
               help="A checkpoint: list the topologies it reshards to for --gpus.")
 @_output_options
-def plan(gpus, tp, pp, model_path, params, zero, dtype, gpu_mem, gpus_per_node, h2d_gbps,
+def plan(gpus, tp, pp, ep, model_path, params, zero, dtype, gpu_mem, gpus_per_node, h2d_gbps,
          storage_gbps, from_ckpt, as_json, quiet):
     """Topology math, per-GPU memory per ZeRO stage, checkpoint cost, restart options.
 
@@ -440,10 +446,11 @@ def plan(gpus, tp, pp, model_path, params, zero, dtype, gpu_mem, gpus_per_node, 
     res = run(gpus, tp, pp, params=parse_count(params) if params and spec is None else None,
               spec=spec, zero=zero, dtype=dtype, gpu_mem_gb=gpu_mem / 1e9 if gpu_mem else None,
               gpus_per_node=gpus_per_node, h2d_gbps=h2d_gbps, storage_gbps=storage_gbps,
-              source=source, source_topology=source_topo)
+              source=source, source_topology=source_topo, ep=ep)
     for w in res.warnings:
         out.note(f"warning: {w}")
-    lines = [f"{gpus} GPUs = TP{tp} x PP{pp} x DP{res.dp}; {res.params / 1e9:.2f}B parameters, "
+    lines = [f"{gpus} GPUs = TP{tp} x PP{pp} x DP{res.dp}" + (f" (EP{ep})" if ep > 1 else "")
+             + f"; {res.params / 1e9:.2f}B parameters, "
              f"{res.params_per_gpu / 1e9:.3f}B on the busiest GPU ({dtype})",
              "", f"  {'per GPU (GB)':<17} {'weights':>8} {'grads':>8} {'optimizer':>10} {'total':>8}"
              + ("  fits" if gpu_mem else "")]
@@ -462,7 +469,8 @@ def plan(gpus, tp, pp, model_path, params, zero, dtype, gpu_mem, gpus_per_node, 
         for r in res.restarts[:12]:
             tags = [t for t, on in (("same TP/PP", r["same_model_parallel"]),
                                     ("TP across nodes", not r["within_node"])) if on]
-            lines.append(f"  TP{r['tp']} x PP{r['pp']} x DP{r['dp']}" + (f"  ({', '.join(tags)})" if tags else ""))
+            eps = "" if r["ep"] == [1] else f", EP {'/'.join(map(str, r['ep']))}"
+            lines.append(f"  TP{r['tp']} x PP{r['pp']} x DP{r['dp']}{eps}" + (f"  ({', '.join(tags)})" if tags else ""))
     out.result(res, "\n".join(lines))
 
 

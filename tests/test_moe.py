@@ -162,3 +162,21 @@ def test_other_routers_are_refused_where_the_args_are_not_kept(ep2, tmp_path, ru
         r = run_cli("convert", bad, dst, "--to", target, "--true-vocab-size", M.MOE["vocab_size"])
         assert r.code == 2 and "moe_router_score_function='sigmoid'" in r.err, r.err
         assert not dst.exists()
+
+
+def test_plan_accounts_experts_by_ep_and_lists_the_ep_sizes_a_restart_can_use(ep2, run_cli):
+    import json
+
+    src, _ = ep2
+    one = json.loads(run_cli("plan", "--gpus", 4, "--tp", 1, "--pp", 1, "--from", src, "--json").out)
+    two = json.loads(run_cli("plan", "--gpus", 4, "--tp", 1, "--pp", 1, "--ep", 2, "--from", src,
+                             "--json").out)
+    m = M.MOE
+    expert = 3 * m["moe_ffn_hidden_size"] * m["hidden_size"]  # fc1 (gate, up) + fc2
+    assert one["params"] == two["params"]
+    assert one["params_per_gpu"] - two["params_per_gpu"] == m["num_layers"] * 2 * expert  # 2 of 4 experts
+    restart = {(r["tp"], r["pp"]): r["ep"] for r in one["restarts"]}
+    assert restart[(1, 1)] == [1, 2, 4] and restart[(2, 1)] == [1, 2]  # EP divides experts and DP
+    assert (4, 1) not in restart  # 2 query groups: TP4 breaks a rule
+    r = run_cli("plan", "--gpus", 4, "--tp", 1, "--pp", 1, "--ep", 3, "--from", src)
+    assert r.code == 2 and "4 experts are not divisible by EP3" in r.err, r.err

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ckptool.checkpoints.open import open_checkpoint
 from ckptool.core.errors import TopologyError, UsageError
-from ckptool.core.layout import ModelSpec, global_params, layout, stage_layers
+from ckptool.core.layout import ModelSpec, ep_sizes, global_params, layout, stage_layers
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from converters.schemas.hf import family_of_config, spec_from_config
@@ -106,7 +106,7 @@ def memory_rows(p: int, dp: int, dtype: str, gpu_mem_gb: float | None) -> list[M
 
 
 def plan(gpus: int, tp: int, pp: int, *, params: int | None = None, spec: ModelSpec | None = None,
-         zero: int = 1, dtype: str = "bf16", gpu_mem_gb: float | None = None,
+         zero: int = 1, dtype: str = "bf16", gpu_mem_gb: float | None = None, ep: int = 1,
          gpus_per_node: int = 8, h2d_gbps: float = 20.0, storage_gbps: float = 10.0,
          source: ModelSpec | None = None, source_topology: Topology | None = None) -> PlanResult:
     """The plan for ``gpus`` at TP ``tp`` x PP ``pp``; raises TopologyError listing every
@@ -119,7 +119,9 @@ def plan(gpus: int, tp: int, pp: int, *, params: int | None = None, spec: ModelS
         problems.append(f"{gpus} GPUs are not divisible by TP x PP = {tp} x {pp} = {tp * pp}")
     dp = max(1, gpus // (tp * pp))
     if spec is not None:
-        problems += rule_problems(spec, tp, pp)
+        problems += rule_problems(spec, tp, pp, ep, dp)
+    elif ep > 1:
+        problems.append("--ep needs the model (--model or --from), to know its experts")
     if problems:
         raise TopologyError("; ".join(problems),
                             hint="Pick TP dividing heads, query groups and ffn, and PP dividing layers")
@@ -128,7 +130,7 @@ def plan(gpus: int, tp: int, pp: int, *, params: int | None = None, spec: ModelS
         warnings.append(f"TP{tp} spans more than one node of {gpus_per_node} GPUs: its all-reduces "
                         "leave NVLink for the inter-node network")
     if spec is not None:
-        total, per_gpu = count_params(spec, tp, pp)
+        total, per_gpu = count_params(spec, tp, pp, ep)
     else:
         total, per_gpu = params, -(-params // (tp * pp))
     w, _, o = bytes_per_param(dtype)
@@ -145,14 +147,24 @@ def plan(gpus: int, tp: int, pp: int, *, params: int | None = None, spec: ModelS
                       asdict(spec) if spec is not None else None)
 
 
-def rule_problems(spec: ModelSpec, tp: int, pp: int) -> list[str]:
-    """Every layout rule ``(tp, pp)`` breaks for ``spec`` (the rules reshard enforces)."""
+def rule_problems(spec: ModelSpec, tp: int, pp: int, ep: int = 1, dp: int | None = None) -> list[str]:
+    """Every layout rule ``(tp, pp, ep)`` breaks for ``spec`` (the rules reshard enforces)."""
     problems = []
+    if spec.num_experts:
+        if spec.num_experts % ep:
+            problems.append(f"{spec.num_experts} experts are not divisible by EP{ep} "
+                            f"(EP sizes that work: {', '.join(map(str, ep_sizes(spec)))})")
+        if dp is not None and dp % ep:
+            problems.append(f"EP{ep} does not divide DP{dp} (expert parallelism re-divides DP ranks)")
+        if spec.moe_ffn % tp:
+            problems.append(f"moe_ffn_hidden_size {spec.moe_ffn} is not divisible by TP{tp}")
+    elif ep > 1:
+        problems.append(f"EP{ep} needs a model with experts")
     if spec.num_attention_heads % tp:
         problems.append(f"{spec.num_attention_heads} attention heads are not divisible by TP{tp}")
     if spec.groups % tp and spec.groups != spec.num_attention_heads:
         problems.append(f"{spec.groups} query groups (kv heads) are not divisible by TP{tp}")
-    if spec.ffn % tp:
+    if spec.ffn % tp and not spec.num_experts:
         problems.append(f"ffn_hidden_size {spec.ffn} is not divisible by TP{tp}")
     try:
         stage_layers(spec, pp)
@@ -161,10 +173,11 @@ def rule_problems(spec: ModelSpec, tp: int, pp: int) -> list[str]:
     return problems
 
 
-def count_params(spec: ModelSpec, tp: int, pp: int) -> tuple[int, int]:
-    """(total parameters, parameters on the heaviest GPU), from the layout rules."""
+def count_params(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> tuple[int, int]:
+    """(total parameters, parameters on the heaviest GPU), from the layout rules (experts
+    split over EP, dense tensors whole on every EP rank)."""
     padded = replace(spec, vocab_rows=spec.padded_vocab(tp))
-    ranks = layout(padded, Topology(tp=tp, pp=pp))
+    ranks = layout(padded, Topology(tp=tp, pp=pp, ep=ep, dp=ep))
     per_rank = [sum(math.prod(t.shard.shape) for t in r.tensors) for r in ranks]
     total = sum(math.prod(p.shape) for p in global_params(padded))
     return total, max(per_rank)
@@ -180,7 +193,9 @@ def restart_options(spec: ModelSpec, gpus: int, gpus_per_node: int,
         for pp in range(1, gpus // tp + 1):
             if (gpus // tp) % pp or rule_problems(spec, tp, pp):
                 continue
-            out.append({"tp": tp, "pp": pp, "dp": gpus // (tp * pp),
+            dp = gpus // (tp * pp)
+            eps = [e for e in ep_sizes(spec) if dp % e == 0] if spec.num_experts else [1]
+            out.append({"tp": tp, "pp": pp, "dp": dp, "ep": eps,
                         "within_node": tp <= gpus_per_node,
                         "same_model_parallel": current is not None and (tp, pp) == (current.tp, current.pp)})
     out.sort(key=lambda r: (not r["same_model_parallel"], not r["within_node"], r["pp"], -r["tp"]))
