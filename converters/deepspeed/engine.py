@@ -41,6 +41,7 @@ from ckptool.core.errors import (
     BadCheckpoint,
     TopologyError,
     UnreadableInput,
+    UnsupportedFormat,
     UsageError,
 )
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
@@ -90,6 +91,8 @@ MODEL_STATES_SUFFIX = "_model_states.pt"
 _MP_STATES = re.compile(r"^mp_rank_(\d{2})_model_states\.pt$")
 _ZERO_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt$")
 _STEP_DIR = re.compile(r"^global_step(\d+)$")
+_EXPERT_STATES = re.compile(r"^(layer_\d+_)?expert_\d+_mp_rank_\d{2}_model_states\.pt$")
+"""deepspeed.moe.layer.MoE's expert files (``layer_{L}_expert_{E}_mp_rank_{MM}_model_states.pt``)."""
 
 
 # ------------------------------------------------------------------------- reading
@@ -135,6 +138,12 @@ class DeepSpeedReader(ZeroReader):
         where = store.display(tag)
         join = (lambda n: f"{tag}/{n}") if tag else (lambda n: n)
         names = [n for n, d in store.ls(tag) if not d]
+        experts = [n for n in names if _EXPERT_STATES.match(n)]
+        if experts:  # the experts' weights live in files of their own, never half-read
+            raise UnsupportedFormat(f"DeepSpeed MoE checkpoints (expert files such as {experts[0]}) "
+                                    "are not read yet", path=where,
+                                    hint="Nothing was read or written; reshard it with DeepSpeed at "
+                                         "the same EP until ckptool reads deepspeed.moe layers")
         if is_pipeline(names):  # Megatron-DeepSpeed's layer files: canonical names already
             return read_pipeline(self, store, tag, names)
         zero3 = {int(m.group(1)): join(n) for n in names if (m := _ZERO_STATES.match(n))}
