@@ -180,3 +180,35 @@ def test_plan_accounts_experts_by_ep_and_lists_the_ep_sizes_a_restart_can_use(ep
     assert (4, 1) not in restart  # 2 query groups: TP4 breaks a rule
     r = run_cli("plan", "--gpus", 4, "--tp", 1, "--pp", 1, "--ep", 3, "--from", src)
     assert r.code == 2 and "4 experts are not divisible by EP3" in r.err, r.err
+
+
+# ------------------------------------------------------------ torch_dist with experts
+
+
+@pytest.fixture(scope="module")
+def dist_ep2(tmp_path_factory):
+    """The same MoE model saved by Megatron-Core's own dist_checkpointing at TP1/EP2."""
+    root = tmp_path_factory.mktemp("moe_dist") / "ep2"
+    return root, M.save_moe_dist(M.MOE, 1, 2, root)
+
+
+@pytest.mark.parametrize("to", [dict(tp=1, ep=1), dict(tp=2, ep=2)])
+def test_torch_dist_with_experts_converts_to_any_ep(dist_ep2, to, tmp_path, run_cli):
+    src, want = dist_ep2
+    dst = tmp_path / "legacy"
+    r = run_cli("convert", src, dst, "--to", "megatron", "--tp", to["tp"], "--ep", to["ep"],
+                "--dp", to["ep"], "--true-vocab-size", M.MOE["vocab_size"])
+    assert r.code == 0, r.err
+    assert_close(M.load_moe_logits(M.MOE, to["tp"], to["ep"], dst), want)
+
+
+@pytest.mark.parametrize("to", [dict(tp=1, ep=1), dict(tp=2, ep=2)])
+def test_experts_written_as_torch_dist_load_in_megatron_core(ep2, to, tmp_path, run_cli):
+    """Megatron-Core's own dist_checkpointing.load reads ckptool's torch_dist with experts
+    (stacked [L, E, ...] tensors, gate and up chunks, the experts' extra states)."""
+    src, want = ep2
+    dst = tmp_path / "dist"
+    r = run_cli("convert", src, dst, "--to", "megatron-dist", "--tp", to["tp"], "--ep", to["ep"],
+                "--dp", to["ep"], "--true-vocab-size", M.MOE["vocab_size"])
+    assert r.code == 0, r.err
+    assert_close(M.load_moe_dist_logits(M.MOE, to["tp"], to["ep"], dst), want)

@@ -70,6 +70,20 @@ EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv"
 NAME = "megatron-dist"
 
 
+def _extra_state_keys(spec: ModelSpec) -> list[str]:
+    """The ``_extra_state`` objects Megatron-Core's torch_dist holds (each linear module's, per
+    layer; a MoE layer's experts' per layer and global expert)."""
+    n, keys = spec.num_layers, []
+    for g in range(n):
+        for module in EXTRA_STATE_MODULES:
+            if spec.num_experts and module.startswith("mlp."):
+                keys += [f"{STACKED}mlp.experts.experts.{module[4:]}._extra_state/"
+                         f"shard_{g}.{e}_{n}.{spec.num_experts}" for e in range(spec.num_experts)]
+            else:
+                keys.append(f"{STACKED}{module}._extra_state/shard_{g}_{n}")
+    return keys
+
+
 class MegatronDistReader(DcpContainerReader):
     name = NAME
 
@@ -108,10 +122,6 @@ class MegatronDistReader(DcpContainerReader):
                 index.tensors[key] = TensorInfo(key, info.shape, info.dtype, pieces)
         read_common(self, store, prefix + COMMON, index, lambda value, index_, source: dist_distopt.read(
             value, index_, source, lambda obj: self.read_object(store, obj)))
-        if (index.model_config or {}).get("num_experts"):
-            raise UnsupportedFormat("Mixture-of-Experts torch_dist checkpoints are not read yet (the "
-                                    "legacy mp_rank_* layout is)", path=store.url,
-                                    hint="Save with --ckpt-format torch to reshard experts now")
         return index
 
     def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
@@ -193,9 +203,6 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
 
     def plan(self, index, topo: Topology, spec: ModelSpec, schema: str = "mcore-te",
              with_optimizer: bool = True) -> list[TargetFile]:
-        if spec.num_experts:
-            raise UnsupportedFormat("Mixture-of-Experts torch_dist output is not written yet",
-                                    path=index.url, hint="--to megatron writes the legacy layout")
         it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)
         params = params_by_key(spec)
         padded = spec.padded_vocab(topo.tp)
@@ -212,7 +219,7 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         if self._distributed is not None:  # every parameter has an fp32 master
             kinds, state_name = canon.KINDS, dist_distopt.file_key
         for rank in layout(spec, topo):
-            rank_id = rank.pp_rank * topo.tp + rank.tp_rank
+            rank_id = (rank.pp_rank * topo.tp + rank.tp_rank) * topo.ep + rank.ep_rank
             target = TargetFile(f"{it_dir}/__{rank_id}_0.distcp",
                                 context=DistFile(rank_id, it_dir, spec, topo))
             for t in rank.tensors:
@@ -242,12 +249,8 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
                 key, offsets, lengths = t.name
                 w.add_chunk(key, offsets, lengths, produce(t).reshape(lengths))
             if ctx.rank == 0:
-                spec = ctx.spec
-                for g in range(spec.num_layers):
-                    for module in EXTRA_STATE_MODULES:
-                        # mcore stores each ShardedObject as the list of its local values
-                        w.add_object(f"{STACKED}{module}._extra_state/shard_{g}_{spec.num_layers}",
-                                     [None])
+                for key in _extra_state_keys(ctx.spec):
+                    w.add_object(key, [None])  # mcore stores each ShardedObject as the list of its local values
         self._remember(target.path, w)
         return w.digest
 

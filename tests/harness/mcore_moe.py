@@ -1,5 +1,6 @@
 """Real megatron-core MoE GPT models on CPU (gloo): SequentialMLP experts (the local spec),
-built at TP/EP (ETP = TP, PP = 1), saved in Megatron-LM's legacy layout and loaded back, with
+built at TP/EP (ETP = TP, PP = 1), saved in Megatron-LM's legacy layout (also trained, with
+the optimizer state, and resumed) or in Megatron-Core's ``torch_dist``, and loaded back, with
 a real forward. Runs in spawned processes; the dense helpers come from :mod:`tests.harness.mcore`.
 
 Shims (test only, per DESIGN.md "Mixture of Experts"): mcore.py's, plus
@@ -142,17 +143,32 @@ def _randomize(ps, model, m: dict) -> None:
             p.copy_(full)
 
 
-def _save_moe_worker(rank, m, tp, ep, root, port):
-    ps = _init(rank, tp, ep, port)
+def _randomized_model(ps, m: dict, tp: int, ep: int):
+    """The harness MoE model at (tp, ep), every parameter its global value's piece."""
     torch.manual_seed(1234)
     model = _model(m, tp, ep)
     _randomize(ps, model, m)
+    return model
+
+
+def _rank_file(ps, root, ep: int, iteration: int | None = None) -> Path:
+    """This rank's legacy file ``root/iter_N/mp_rank_TT[_EEE]/model_optim_rng.pt`` (PP = 1);
+    N is the tracker's when not given."""
+    if iteration is None:
+        iteration = int((Path(root) / "latest_checkpointed_iteration.txt").read_text().strip())
+    return Path(root) / f"iter_{iteration:07d}" / rank_dir(
+        ps.get_tensor_model_parallel_rank(), 0, ps.get_expert_model_parallel_rank(), 1, ep) / \
+        "model_optim_rng.pt"
+
+
+def _save_moe_worker(rank, m, tp, ep, root, port):
+    ps = _init(rank, tp, ep, port)
+    model = _randomized_model(ps, m, tp, ep)
     if ps.get_expert_data_parallel_rank() == 0:  # one writer per (tp, pp, ep)
-        d = Path(root) / f"iter_{ITERATION:07d}" / rank_dir(
-            ps.get_tensor_model_parallel_rank(), 0, ps.get_expert_model_parallel_rank(), 1, ep)
-        d.mkdir(parents=True, exist_ok=True)
+        f = _rank_file(ps, root, ep, ITERATION)
+        f.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"args": moe_args(m, tp, 1, ep), "iteration": ITERATION,
-                    "checkpoint_version": 3.0, "model": model.state_dict()}, d / "model_optim_rng.pt")
+                    "checkpoint_version": 3.0, "model": model.state_dict()}, f)
     if rank == 0:
         (Path(root) / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     logits = M._forward(ps, model, m, tp, 1)
@@ -162,19 +178,23 @@ def _save_moe_worker(rank, m, tp, ep, root, port):
     dist.destroy_process_group()
 
 
-def _load_moe_worker(rank, m, tp, ep, root, out, port):
-    ps = _init(rank, tp, ep, port)
-    model = _model(m, tp, ep)
-    tracker = (Path(root) / "latest_checkpointed_iteration.txt").read_text().strip()
-    d = Path(root) / f"iter_{int(tracker):07d}" / rank_dir(
-        ps.get_tensor_model_parallel_rank(), 0, ps.get_expert_model_parallel_rank(), 1, ep)
-    state = torch.load(d / "model_optim_rng.pt", weights_only=False)
+def _load_rank_state(ps, model, tp: int, ep: int, root) -> dict:
+    """Load this rank's legacy file (the tracker's iteration) into ``model`` strictly; the
+    file's whole state."""
+    state = torch.load(_rank_file(ps, root, ep), weights_only=False)
     # Megatron-LM's loader asserts TP; it does not compare EP (check_checkpoint_args), but a
     # file of another EP holds other experts under the same local names.
     assert state["args"].tensor_model_parallel_size == tp
     assert state["args"].expert_model_parallel_size == ep
     assert "iteration" in state
     model.load_state_dict(state["model"], strict=True)
+    return state
+
+
+def _load_moe_worker(rank, m, tp, ep, root, out, port):
+    ps = _init(rank, tp, ep, port)
+    model = _model(m, tp, ep)
+    _load_rank_state(ps, model, tp, ep, root)
     logits = M._forward(ps, model, m, tp, 1)
     if rank == 0:
         torch.save(logits, out)
@@ -193,4 +213,150 @@ def load_moe_logits(m: dict, tp: int, ep: int, root: Path) -> torch.Tensor:
     """Load a legacy MoE checkpoint into real mcore models at TP=tp, EP=ep; return logits."""
     out = root.parent / f"{root.name}.loaded-logits.pt"
     M._spawn(_load_moe_worker, tp * ep, m, tp, ep, str(root), str(out))
+    return torch.load(out)
+
+
+# ---------------------------------------------------------------- training with an optimizer
+
+
+def _average_expert_grads(ps, model) -> None:
+    """What Megatron's DDP does to expert gradients, on a run without DDP: every rank here
+    trains on the same batch, so a dense gradient is already the data-parallel mean, but an
+    expert's sums the losses of all EP ranks (their tokens all reach it): scaled by 1/DP
+    (DDP's ``expert_gradient_scaling_factor``; expert-DP is 1), training is the same at any EP."""
+    dp = ps.get_data_parallel_world_size()
+    for p in model.parameters():
+        if not getattr(p, "allreduce", True):
+            p.register_hook(lambda g: g / dp)
+
+
+def _step(model, opt, m: dict, step: int) -> float:
+    """:func:`tests.harness.mcore._step` on :func:`tests.harness.mcore._batch`'s tokens taken
+    modulo the true vocabulary (that batch draws ids up to 997; MOE has 250)."""
+    tok, labels = (t % m["vocab_size"] for t in M._batch(step))
+    pos = torch.arange(M.SEQ).expand(M.BATCH, M.SEQ)
+    mask = torch.triu(torch.ones(1, 1, M.SEQ, M.SEQ, dtype=torch.bool), 1)
+    model.train()
+    loss = model(tok, pos, mask, labels=labels).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _train_save_moe_worker(rank, m, tp, ep, root, port):
+    ps = _init(rank, tp, ep, port)
+    model = _randomized_model(ps, m, tp, ep)
+    _average_expert_grads(ps, model)
+    opt = M._optimizer(model)  # expert params are their own group(s) at EP > 1, kept in it
+    for step in range(2):
+        _step(model, opt, m, step)
+    if ps.get_expert_data_parallel_rank() == 0:  # one writer per (tp, pp, ep)
+        f = _rank_file(ps, root, ep, 2)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"args": moe_args(m, tp, 1, ep), "iteration": 2, "checkpoint_version": 3.0,
+                    "model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "rng_state": [{"torch_rng_state": torch.get_rng_state()}]}, f)
+    if rank == 0:
+        (Path(root) / "latest_checkpointed_iteration.txt").write_text("2")
+    loss = _step(model, opt, m, 2)  # the uninterrupted run goes on
+    logits = M._forward(ps, model, m, tp, 1)
+    if rank == 0:
+        torch.save({"loss": loss, "logits": logits}, Path(root).parent / f"{Path(root).name}.after.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _resume_moe_worker(rank, m, tp, ep, root, out, port):
+    ps = _init(rank, tp, ep, port)
+    model = _model(m, tp, ep)
+    state = _load_rank_state(ps, model, tp, ep, root)
+    _average_expert_grads(ps, model)
+    opt = M._optimizer(model)
+    opt.load_state_dict(state["optimizer"])
+    loss = _step(model, opt, m, 2)
+    logits = M._forward(ps, model, m, tp, 1)
+    if rank == 0:
+        torch.save({"loss": loss, "logits": logits}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train_and_save_moe(m: dict, tp: int, ep: int, root: Path) -> dict:
+    """Train the MoE model of :func:`save_moe` 2 steps (:func:`_step`) at TP=tp, EP=ep, with a
+    torch AdamW over Megatron-Core's param groups (:func:`tests.harness.mcore._optimizer`);
+    save it in the legacy layout with the optimizer state (``iter_0000002``), train one more
+    step; that step's loss and the logits after it."""
+    M._spawn(_train_save_moe_worker, tp * ep, m, tp, ep, str(root))
+    return torch.load(root.parent / f"{root.name}.after.pt")
+
+
+def resume_one_step_moe(m: dict, tp: int, ep: int, root: Path) -> dict:
+    """Load a legacy MoE checkpoint's model (strictly) and optimizer state at TP=tp, EP=ep
+    and take the step :func:`train_and_save_moe` takes after saving; its loss and logits."""
+    out = root.parent / f"{root.name}.resumed.pt"
+    M._spawn(_resume_moe_worker, tp * ep, m, tp, ep, str(root), str(out))
+    return torch.load(out)
+
+
+# ---------------------------------------------------------------- torch_dist
+
+
+def _save_moe_dist_worker(rank, m, tp, ep, root, port):
+    """The model of _save_moe_worker, saved by Megatron-Core's own dist_checkpointing."""
+    ps = _init(rank, tp, ep, port)
+    torch.cuda.synchronize = lambda *a, **k: None
+    from megatron.core import dist_checkpointing
+
+    model = _randomized_model(ps, m, tp, ep)
+    it = Path(root) / f"iter_{ITERATION:07d}"
+    if rank == 0:
+        it.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "args": moe_args(m, tp, 1, ep),
+                             "iteration": ITERATION, "checkpoint_version": 3.0}, str(it))
+    if rank == 0:
+        (Path(root) / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    logits = M._forward(ps, model, m, tp, 1)
+    if rank == 0:
+        torch.save(logits, Path(root).parent / f"{Path(root).name}.logits.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _load_moe_dist_worker(rank, m, tp, ep, root, out, port):
+    """Megatron-Core's own dist_checkpointing.load at TP=tp, EP=ep (any TP and EP: it
+    reshards itself), then a forward."""
+    ps = _init(rank, tp, ep, port)
+    torch.cuda.synchronize = lambda *a, **k: None
+    from megatron.core import dist_checkpointing
+
+    model = _model(m, tp, ep)
+    tracker = (Path(root) / "latest_checkpointed_iteration.txt").read_text().strip()
+    it = Path(root) / f"iter_{int(tracker):07d}"
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(it))
+    model.load_state_dict(state["model"], strict=True)
+    common = torch.load(it / "common.pt", weights_only=False)
+    # Megatron-LM compares TP and PP only for a legacy checkpoint (check_checkpoint_args).
+    assert common["iteration"] == int(tracker) and "args" in common
+    logits = M._forward(ps, model, m, tp, 1)
+    if rank == 0:
+        torch.save(logits, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def save_moe_dist(m: dict, tp: int, ep: int, root: Path) -> torch.Tensor:
+    """Save the MoE model of :func:`save_moe` at TP=tp, EP=ep as a real Megatron-Core
+    ``torch_dist`` checkpoint (``root/iter_0000010``, ``common.pt`` with the args, the
+    tracker); return its logits."""
+    M._spawn(_save_moe_dist_worker, tp * ep, m, tp, ep, str(root))
+    return torch.load(root.parent / f"{root.name}.logits.pt")
+
+
+def load_moe_dist_logits(m: dict, tp: int, ep: int, root: Path) -> torch.Tensor:
+    """Load a ``torch_dist`` MoE checkpoint with ``dist_checkpointing.load`` into real mcore
+    models at TP=tp, EP=ep; return logits."""
+    out = root.parent / f"{root.name}.dist-logits.pt"
+    M._spawn(_load_moe_dist_worker, tp * ep, m, tp, ep, str(root), str(out))
     return torch.load(out)
