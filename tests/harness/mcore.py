@@ -273,8 +273,12 @@ def _optimizer(model):
     return torch.optim.AdamW(groups, lr=LR)
 
 
-def _step(model, opt, step: int):
+def _step(model, opt, step: int, vocab: int | None = None):
+    """One training step on ``_batch(step)`` (token ids taken modulo ``vocab`` when given:
+    the batch draws them up to 997)."""
     tok, labels = _batch(step)
+    if vocab:
+        tok, labels = tok % vocab, labels % vocab
     pos = torch.arange(SEQ).expand(BATCH, SEQ)
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
     model.train()

@@ -191,15 +191,20 @@ def _load_rank_state(ps, model, tp: int, ep: int, root) -> dict:
     return state
 
 
-def _load_moe_worker(rank, m, tp, ep, root, out, port):
-    ps = _init(rank, tp, ep, port)
-    model = _model(m, tp, ep)
-    _load_rank_state(ps, model, tp, ep, root)
+def _save_logits(ps, model, m: dict, tp: int, rank: int, out) -> None:
+    """Rank 0 saves the model's full-vocab logits at ``out``; then the group ends."""
     logits = M._forward(ps, model, m, tp, 1)
     if rank == 0:
         torch.save(logits, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _load_moe_worker(rank, m, tp, ep, root, out, port):
+    ps = _init(rank, tp, ep, port)
+    model = _model(m, tp, ep)
+    _load_rank_state(ps, model, tp, ep, root)
+    _save_logits(ps, model, m, tp, rank, out)
 
 
 def save_moe(m: dict, tp: int, ep: int, root: Path) -> torch.Tensor:
@@ -231,17 +236,8 @@ def _average_expert_grads(ps, model) -> None:
 
 
 def _step(model, opt, m: dict, step: int) -> float:
-    """:func:`tests.harness.mcore._step` on :func:`tests.harness.mcore._batch`'s tokens taken
-    modulo the true vocabulary (that batch draws ids up to 997; MOE has 250)."""
-    tok, labels = (t % m["vocab_size"] for t in M._batch(step))
-    pos = torch.arange(M.SEQ).expand(M.BATCH, M.SEQ)
-    mask = torch.triu(torch.ones(1, 1, M.SEQ, M.SEQ, dtype=torch.bool), 1)
-    model.train()
-    loss = model(tok, pos, mask, labels=labels).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    """:func:`tests.harness.mcore._step` on token ids modulo the true vocabulary (MOE has 250)."""
+    return M._step(model, opt, step, m["vocab_size"])
 
 
 def _train_save_moe_worker(rank, m, tp, ep, root, port):
@@ -339,11 +335,7 @@ def _load_moe_dist_worker(rank, m, tp, ep, root, out, port):
     common = torch.load(it / "common.pt", weights_only=False)
     # Megatron-LM compares TP and PP only for a legacy checkpoint (check_checkpoint_args).
     assert common["iteration"] == int(tracker) and "args" in common
-    logits = M._forward(ps, model, m, tp, 1)
-    if rank == 0:
-        torch.save(logits, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    _save_logits(ps, model, m, tp, rank, out)
 
 
 def save_moe_dist(m: dict, tp: int, ep: int, root: Path) -> torch.Tensor:
