@@ -212,3 +212,82 @@ def test_experts_written_as_torch_dist_load_in_megatron_core(ep2, to, tmp_path, 
                 "--dp", to["ep"], "--true-vocab-size", M.MOE["vocab_size"])
     assert r.code == 0, r.err
     assert_close(M.load_moe_dist_logits(M.MOE, to["tp"], to["ep"], dst), want)
+
+
+QWEN2_MOE = dict(M.MOE, shared=40, pre_softmax=True, qkv_bias=True)
+"""Qwen2-MoE's math in Megatron-Core: a gated shared expert, softmax before top-k, QKV bias."""
+
+
+def test_qwen2_moe_to_megatron_runs_in_megatron_core_and_comes_back(tmp_path, run_cli):
+    """HF Qwen2-MoE (shared expert with its sigmoid gate, norm_topk_prob false) ->
+    megatron --tp 2 --ep 2 -> real megatron-core gives transformers' logits; -> hf back too."""
+    transformers = peer("transformers")
+    from tests.harness.hf import hf_logits, load_hf
+
+    m = QWEN2_MOE
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], intermediate_size=m["ffn_hidden_size"],
+        moe_intermediate_size=m["moe_ffn_hidden_size"], shared_expert_intermediate_size=m["shared"],
+        num_hidden_layers=m["num_layers"], num_attention_heads=m["num_attention_heads"],
+        num_key_value_heads=m["num_query_groups"], num_experts=m["num_experts"],
+        num_experts_per_tok=m["topk"], norm_topk_prob=False, rms_norm_eps=1e-5,
+        max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.1)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Qwen2MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "shared_expert_gate" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    src = tmp_path / "qwen2moe"
+    model.save_pretrained(src)
+    want = hf_logits(model, m["vocab_size"])
+    dst = tmp_path / "mg"
+    r = run_cli("convert", src, dst, "--to", "megatron", "--tp", 2, "--ep", 2, "--dp", 2)
+    assert r.code == 0, r.err
+    assert_close(M.load_moe_logits(m, 2, 2, dst), want)
+    args = torch.load(next(dst.glob("iter_*/mp_rank_00_000/model_optim_rng.pt")), weights_only=False)["args"]
+    assert (args.moe_router_pre_softmax, args.moe_shared_expert_gate,
+            args.moe_shared_expert_intermediate_size, args.add_qkv_bias) == (True, True, 40, True)
+    back = tmp_path / "back"
+    r = run_cli("convert", dst, back, "--to", "hf")
+    assert r.code == 0, r.err
+    got = load_hf(back, dtype=torch.float32, attn_implementation="eager")
+    assert type(got).__name__ == "Qwen2MoeForCausalLM"
+    assert_close(hf_logits(got, m["vocab_size"]), want, atol=1e-5)
+
+
+def test_qwen3_moe_to_megatron_runs_in_megatron_core_and_comes_back(tmp_path, run_cli):
+    """HF Qwen3-MoE (QK norms, norm_topk_prob true: Mixtral's router) -> megatron --tp 2
+    --ep 2 -> real megatron-core gives transformers' logits; -> hf back too."""
+    transformers = peer("transformers")
+    from tests.harness.hf import hf_logits, load_hf
+
+    m = dict(M.MOE, qk_layernorm=True)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], intermediate_size=m["ffn_hidden_size"],
+        moe_intermediate_size=m["moe_ffn_hidden_size"], num_hidden_layers=m["num_layers"],
+        num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_query_groups"],
+        head_dim=m["hidden_size"] // m["num_attention_heads"], num_experts=m["num_experts"],
+        num_experts_per_tok=m["topk"], norm_topk_prob=True, rms_norm_eps=1e-5,
+        max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.1)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    src = tmp_path / "qwen3moe"
+    model.save_pretrained(src)
+    want = hf_logits(model, m["vocab_size"])
+    dst = tmp_path / "mg"
+    r = run_cli("convert", src, dst, "--to", "megatron", "--tp", 2, "--ep", 2, "--dp", 2)
+    assert r.code == 0, r.err
+    assert_close(M.load_moe_logits(m, 2, 2, dst), want)
+    back = tmp_path / "back"
+    r = run_cli("convert", dst, back, "--to", "hf")
+    assert r.code == 0, r.err
+    got = load_hf(back, dtype=torch.float32, attn_implementation="eager")
+    assert type(got).__name__ == "Qwen3MoeForCausalLM"
+    assert_close(hf_logits(got, m["vocab_size"]), want, atol=1e-5)

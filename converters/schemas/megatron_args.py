@@ -137,7 +137,9 @@ def _features(args: argparse.Namespace) -> dict:
     if experts:
         out.update(num_experts=int(experts), moe_ffn_hidden_size=_get(args, "moe_ffn_hidden_size"),
                    moe_shared_expert_size=_get(args, "moe_shared_expert_intermediate_size"),
-                   moe_router_topk=int(_get(args, "moe_router_topk", 2)))
+                   moe_router_topk=int(_get(args, "moe_router_topk", 2)),
+                   moe_router_pre_softmax=bool(_get(args, "moe_router_pre_softmax", False)),
+                   moe_shared_expert_gate=bool(_get(args, "moe_shared_expert_gate", False)))
     return out
 
 
@@ -259,7 +261,7 @@ MATH_ARGS = {
     # layer MoE, no token dropping); any other router setting is refused
     "num_moe_experts": ("null", lambda v, a: not v),
     "moe_router_score_function": ("softmax", lambda v, a: v in (None, "softmax")),
-    "moe_router_pre_softmax": ("false", _off),
+    "moe_router_pre_softmax": ("any (Qwen2-MoE's router when true)", lambda v, a: True),
     "moe_router_topk_scaling_factor": ("null", lambda v, a: v in (None, 1, 1.0)),
     "moe_router_enable_expert_bias": ("false", _off),
     "moe_router_num_groups": ("null", lambda v, a: not v),
@@ -267,7 +269,8 @@ MATH_ARGS = {
     "moe_expert_capacity_factor": ("null (no token dropping)", lambda v, a: v is None),
     "moe_input_jitter_eps": ("null", lambda v, a: v is None),
     "moe_layer_freq": ("1 (every layer MoE)", lambda v, a: v in (None, 1)),
-    "moe_shared_expert_intermediate_size": ("null", lambda v, a: not v),
+    "moe_shared_expert_intermediate_size": ("any (with its sigmoid gate, Qwen2-MoE's)",
+                                            lambda v, a: not v or bool(_get(a, "moe_shared_expert_gate", False))),
     "multi_latent_attention": ("false", _off),
     "experimental_attention_variant": ("null", lambda v, a: v is None),
     "linear_attention_freq": ("null", lambda v, a: v is None),
@@ -374,7 +377,9 @@ def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology
         if args is None:  # Mixtral's router, which the spec means (see MATH_ARGS)
             new.num_experts, new.moe_ffn_hidden_size = spec.num_experts, spec.moe_ffn
             new.moe_router_topk, new.moe_router_score_function = spec.moe_router_topk, "softmax"
-            new.moe_router_pre_softmax, new.moe_layer_freq = False, 1
+            new.moe_router_pre_softmax, new.moe_layer_freq = spec.moe_router_pre_softmax, 1
+            new.moe_shared_expert_intermediate_size = spec.moe_shared_expert_size
+            new.moe_shared_expert_gate = spec.moe_shared_expert_gate
             new.moe_grouped_gemm, new.moe_expert_capacity_factor = False, None
         new.expert_model_parallel_size = topo.ep
         new.expert_tensor_parallel_size = topo.expert_tp

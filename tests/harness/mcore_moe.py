@@ -45,9 +45,10 @@ def moe_args(m: dict, tp: int, pp: int, ep: int) -> argparse.Namespace:
         num_experts=m["num_experts"], moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
         moe_router_topk=m["topk"], moe_layer_freq=1, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=tp, moe_router_score_function="softmax",
-        moe_router_pre_softmax=False, moe_token_dispatcher_type="allgather",
+        moe_router_pre_softmax=m.get("pre_softmax", False), moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False, moe_expert_capacity_factor=None,
-        moe_shared_expert_intermediate_size=None, world_size=world,
+        moe_shared_expert_intermediate_size=m.get("shared"), moe_shared_expert_gate=bool(m.get("shared")),
+        add_qkv_bias=m.get("qkv_bias", False), qk_layernorm=m.get("qk_layernorm", False), world_size=world,
         data_parallel_size=world // (tp * pp))
     return args
 
@@ -91,11 +92,13 @@ def _model(m: dict, tp: int, ep: int):
         tensor_model_parallel_size=tp, hidden_dropout=0.0, attention_dropout=0.0,
         num_moe_experts=m["num_experts"], moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
         moe_router_topk=m["topk"], moe_router_score_function="softmax",
-        moe_router_pre_softmax=False, moe_token_dispatcher_type="allgather",
+        moe_router_pre_softmax=m.get("pre_softmax", False), moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False, moe_expert_capacity_factor=None,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+        moe_shared_expert_intermediate_size=m.get("shared"), moe_shared_expert_gate=bool(m.get("shared")),
+        add_qkv_bias=m.get("qkv_bias", False), qk_layernorm=m.get("qk_layernorm", False))
     spec = get_gpt_layer_local_spec(num_experts=m["num_experts"], moe_grouped_gemm=False,
-                                    normalization=m["norm"])
+                                    normalization=m["norm"], qk_layernorm=m.get("qk_layernorm", False))
     return GPTModel(config=cfg, transformer_layer_spec=spec,
                     vocab_size=M.padded(m["vocab_size"], m["divisible_by"], tp),
                     max_sequence_length=M.SEQ, pre_process=True, post_process=True,

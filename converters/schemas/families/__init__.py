@@ -18,12 +18,15 @@ from converters.schemas.families import (
     olmo2,
     phi3,
     qwen2,
+    qwen2_moe,
     qwen3,
+    qwen3_moe,
 )
 from converters.schemas.families.base import FEATURES, Family, Problem
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY, gpt2.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY,
-    gemma.FAMILY, gemma.GEMMA2, gemma.GEMMA3, olmo2.FAMILY, mixtral.FAMILY)}
+    gemma.FAMILY, gemma.GEMMA2, gemma.GEMMA3, olmo2.FAMILY, mixtral.FAMILY,
+    qwen2_moe.FAMILY, qwen3_moe.FAMILY)}
 
 __all__ = ["FAMILIES", "FEATURES", "Family", "Problem"]

@@ -126,6 +126,15 @@ PARTS: dict[str, Part] = {
 }
 """Every canonical part of a transformer layer an HF tensor can be."""
 PARTS["router"] = _whole("mlp.router.weight", lambda s: (s.num_experts, s.hidden_size))
+PARTS["shared_gate"] = _blocks("mlp.shared_experts.linear_fc1.weight",
+                               lambda s: (2 * s.moe_shared_expert_size, s.hidden_size),
+                               lambda s: [(0, s.moe_shared_expert_size)])
+PARTS["shared_up"] = _blocks("mlp.shared_experts.linear_fc1.weight",
+                             lambda s: (2 * s.moe_shared_expert_size, s.hidden_size),
+                             lambda s: [(s.moe_shared_expert_size, s.moe_shared_expert_size)])
+PARTS["shared_fc2"] = _whole("mlp.shared_experts.linear_fc2.weight",
+                             lambda s: (s.hidden_size, s.moe_shared_expert_size))
+PARTS["shared_expert_gate"] = _whole("mlp.shared_experts.gate_weight", lambda s: (1, s.hidden_size))
 
 
 def _expert(which: str):
@@ -386,6 +395,8 @@ FEATURES: dict[str, Callable[[ModelSpec], bool]] = {
     "query_scale": lambda s: s.query_scale is not None,
     "experts": lambda s: s.num_experts is not None,
     "shared_experts": lambda s: s.moe_shared_expert_size is not None,
+    "shared_expert_gate": lambda s: s.moe_shared_expert_gate,
+    "router_pre_softmax": lambda s: s.moe_router_pre_softmax,
 }
 """Features a model may have (each: is it on?); a family fixes one, or lists the ones it
 can express in ``features``."""

@@ -1,0 +1,40 @@
+"""Qwen3-MoE (``Qwen3MoeForCausalLM``): Qwen3's attention (per-head QK norms, explicit
+``head_dim``, no bias) and a MoE MLP in every layer (``mlp.gate``, ``mlp.experts.{e}.*``,
+no shared expert); ``norm_topk_prob`` true (its default) is Mixtral's router, false is
+Megatron's ``moe_router_pre_softmax``."""
+
+from converters.schemas.families.base import Family, Feature, Fixed, Mapped
+from converters.schemas.families.llama import FINAL, LLAMA_CORE, NORMS, SILU
+from converters.schemas.families.qwen2_moe import MOE
+from converters.schemas.families.qwen3 import LAYER as QWEN3_LAYER
+from converters.schemas.families.rules import ROPE, fixed_false, llama_sizes, tie, window
+
+ATTENTION = tuple(t for t in QWEN3_LAYER if t.name.startswith("self_attn."))
+EXPERTS = (
+    # transformers 5 writes num_local_experts (num_experts is its alias)
+    Feature(("num_local_experts", "num_experts"),
+            lambda c: {"num_experts": int(c.get("num_local_experts") or c["num_experts"])},
+            lambda s, v, b: {"num_experts" if "num_experts" in b else "num_local_experts": s.num_experts}),
+    Mapped("num_experts_per_tok", "moe_router_topk", default=2),
+    Mapped("moe_intermediate_size", "moe_ffn_hidden_size"),
+    Feature(("norm_topk_prob",), lambda c: {"moe_router_pre_softmax": not c.get("norm_topk_prob", True)},
+            lambda s, v, b: {"norm_topk_prob": not s.moe_router_pre_softmax}),
+    Feature(("intermediate_size",), lambda c: {"ffn_hidden_size": int(c["intermediate_size"])},
+            lambda s, v, b: {"intermediate_size": s.ffn}),  # the dense MLP of mlp_only_layers: none
+    Fixed("decoder_sparse_step", (1, None)),
+    Fixed("mlp_only_layers", ([], None)),
+    Feature(("router_aux_loss_coef", "output_router_logits"), lambda c: {}, lambda s, v, b: {}),
+)
+
+FAMILY = Family(
+    name="qwen3_moe", architecture="Qwen3MoeForCausalLM", model_types=("qwen3_moe",),
+    fixed=dict(LLAMA_CORE, qk_layernorm=True),
+    features=("tied_embeddings", "grouped_query_attention", "head_dim", "rope_scaling", "window_size",
+              "experts", "router_pre_softmax"),
+    embedding="model.embed_tokens.weight", layer="model.layers.{i}.",
+    layer_tensors=ATTENTION + tuple(t for t in MOE if t.when is None) + NORMS, final=FINAL,
+    head="lm_head.weight",
+    config=(*[r for r in llama_sizes(head_dim=128) if "intermediate_size" not in r.fields], *EXPERTS,
+            tie(False), ROPE, SILU, window(qwen=True), *fixed_false("attention_bias")),
+    traits="Qwen3's attention (QK norms) and a MoE MLP",
+)
