@@ -137,6 +137,12 @@ class ModelSpec:
     moe_router_topk: int = 2
     """Experts per token. The router is Mixtral's: softmax over the chosen experts' logits
     (= softmax, top-k, renormalise); other routers are refused where they cannot be written."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over every expert, then top-k, not renormalised (Qwen2-MoE's
+    ``norm_topk_prob`` false; Megatron ``moe_router_pre_softmax``)."""
+    moe_shared_expert_gate: bool = False
+    """The shared experts' output is scaled by sigmoid(x · gate_weight) (Qwen2-MoE;
+    Megatron ``moe_shared_expert_gate``): ``mlp.shared_experts.gate_weight`` ``[1, h]``."""
 
     @property
     def moe_ffn(self) -> int:
@@ -230,6 +236,8 @@ def _moe_params(spec: ModelSpec, p: str) -> list[Param]:
         params += [Param(p + "mlp.shared_experts.linear_fc1.weight", (2 * s if spec.swiglu else s, h),
                          GATED if spec.swiglu else COLUMN),
                    Param(p + "mlp.shared_experts.linear_fc2.weight", (h, s), ROW)]
+        if spec.moe_shared_expert_gate:
+            params.append(Param(p + "mlp.shared_experts.gate_weight", (1, h), REPLICATED))
     return params
 
 
