@@ -291,3 +291,30 @@ def test_qwen3_moe_to_megatron_runs_in_megatron_core_and_comes_back(tmp_path, ru
     got = load_hf(back, dtype=torch.float32, attn_implementation="eager")
     assert type(got).__name__ == "Qwen3MoeForCausalLM"
     assert_close(hf_logits(got, m["vocab_size"]), want, atol=1e-5)
+
+
+# ------------------------------------------------------ with the optimizer state
+
+
+@pytest.fixture(scope="module")
+def trained_ep2(tmp_path_factory):
+    """A real MoE run at TP1/EP2 trained 2 steps with Adam (Megatron-Core's param groups:
+    dense, expert-parallel, no decay), saved with its optimizer state; the uninterrupted
+    run's next step."""
+    root = tmp_path_factory.mktemp("moe_train") / "ep2"
+    return root, M.train_and_save_moe(M.MOE, 1, 2, root)
+
+
+@pytest.mark.parametrize("to", [dict(tp=1, ep=2), dict(tp=1, ep=1), dict(tp=1, ep=4)])
+def test_reshard_with_adam_state_resumes_exactly_at_another_ep(trained_ep2, to, tmp_path, run_cli):
+    """EP2 -> EP2 (a rewrite) / EP1 / EP4 with the optimizer: Megatron-Core's groups at the new EP
+    (experts leave or join the expert-parallel group), the moments and steps carried, and the
+    next step equals the uninterrupted run's."""
+    src, after = trained_ep2
+    dst = tmp_path / "out"
+    r = run_cli("reshard", src, dst, "--to-tp", to["tp"], "--to-ep", to["ep"], "--to-dp", to["ep"],
+                "--true-vocab-size", M.MOE["vocab_size"])
+    assert r.code == 0, r.err
+    resumed = M.resume_one_step_moe(M.MOE, to["tp"], to["ep"], dst)
+    assert abs(resumed["loss"] - after["loss"]) / abs(after["loss"]) < 1e-5
+    assert_close(resumed["logits"], after["logits"])

@@ -243,7 +243,7 @@ class MegatronReader(TorchFileReader):
         names = [(n, len(shape), shape) for n, (_, _, shape, _, _) in mapped.items()]
         try:
             layout_ = optim.read(data["optimizer"], names, store.display(f.rel),
-                                 self._load(store, f.rel).materialize)
+                                 self._load(store, f.rel).materialize, ep=topo.ep)
         except UnreadableInput as exc:
             _unmappable(index, exc.message)
             return
@@ -255,7 +255,7 @@ class MegatronReader(TorchFileReader):
                            key=canon.state_key(kind, canonical))
         saved = index.layout(optim.Layout)
         meta = optim.Layout(layout_.fp16, {}, layout_.step, layout_.hyper,
-                            self._load(store, f.rel).materialize(layout_.extra))
+                            self._load(store, f.rel).materialize(layout_.extra), layout_.kinds)
         if saved is None:
             index.set_layout(meta)
         elif saved.step != meta.step or saved.fp16 != meta.fp16:
@@ -592,7 +592,7 @@ class MegatronWriter(UnevenStages, Writer):
                 t = pending[(OPTIM_PATH, kind, chunk_key, name)]
                 return Pending(t.name, t.shard.shape, t.dtype)
 
-            state["optimizer"] = optim.build(params, ctx.optimizer, placeholder)
+            state["optimizer"] = optim.build(params, ctx.optimizer, placeholder, ep=topo.ep)
         if ctx.distopt_state is not None:
             state["optimizer"] = copy.deepcopy(ctx.distopt_state)
         state[MARK] = {"version": VERSION}

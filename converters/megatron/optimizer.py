@@ -34,7 +34,6 @@ from ckptool.core.optimizer import (
     KINDS,
     PREFIX,
     ParamGroups,
-    decay_groups,
     no_decay,
     split_key,
     state_key,
@@ -59,10 +58,43 @@ class Layout:
     """Param group hyperparameters (without ``params``), in group order."""
     extra: dict
     """Everything else (grad scaler...), carried as it is."""
+    kinds: list[str] | None = None
+    """The kind of each group of ``hyper`` (:func:`megatron_groups`); None: decay, no decay."""
+
+
+def megatron_groups(params: list[tuple[str, int]], ep: int = 1) -> list[tuple[str, list[str]]]:
+    """Megatron-Core's param groups of ``(local name, ndim)`` in named_parameters order, each
+    ``(kind, names)``: weight decay, then at EP > 1 the expert parameters with weight decay
+    (``is_expert_parallel``: their grads reduce over the expert-DP group), then no weight
+    decay (biases, 1-D), then at EP > 1 the experts' without. At EP 1 experts are not
+    expert-parallel and sit with the dense parameters in their order."""
+    def expert(name):
+        return ep > 1 and ".local_experts." in name
+    groups = [("decay", [n for n, d in params if not no_decay(n, d) and not expert(n)])]
+    if ep > 1:
+        groups.append(("expert_decay", [n for n, d in params if not no_decay(n, d) and expert(n)]))
+    groups.append(("nodecay", [n for n, d in params if no_decay(n, d) and not expert(n)]))
+    if ep > 1 and any(no_decay(n, d) and expert(n) for n, d in params):
+        groups.append(("expert_nodecay", [n for n, d in params if no_decay(n, d) and expert(n)]))
+    return groups
+
+
+def _hyper_of(layout: "Layout", kind: str) -> dict:
+    """The source's hyperparameters for a group ``kind`` (an expert group takes its dense
+    counterpart's, marked expert-parallel, and the other way round)."""
+    kinds = layout.kinds or ["decay", "nodecay"][:len(layout.hyper)]
+    hyper = dict(zip(kinds, layout.hyper))
+    if kind in hyper:
+        return copy.deepcopy(hyper[kind])
+    other = kind.removeprefix("expert_") if kind.startswith("expert_") else "expert_" + kind
+    base = copy.deepcopy(hyper.get(other) or layout.hyper[-1])
+    if "is_expert_parallel" in base:
+        base["is_expert_parallel"] = kind.startswith("expert_")
+    return base
 
 
 def read(optimizer: Any, params: list[tuple[str, int, tuple]], source: str,
-         materialize=lambda x: x) -> Layout:
+         materialize=lambda x: x, ep: int = 1) -> Layout:
     """Map the optimizer state of one rank file to its parameters.
 
     ``params`` is ``(local name, ndim, shape)`` in named_parameters order; shapes of the
@@ -77,7 +109,8 @@ def read(optimizer: Any, params: list[tuple[str, int, tuple]], source: str,
         raise UnreadableInput("optimizer state is not a Megatron FP32/Float16 optimizer state dict",
                               path=source)
     by_name = {n: (d, s) for n, d, s in params}
-    expected = decay_groups([(n, d) for n, d, _ in params])
+    grouped = megatron_groups([(n, d) for n, d, _ in params], ep)
+    expected = [g for _, g in grouped]
     stored = [list(g.get("params", [])) for g in inner["param_groups"]]
     sizes = [len(g) for g in stored]
     if [len(g) for g in expected if g] != [n for n in sizes if n]:
@@ -85,6 +118,7 @@ def read(optimizer: Any, params: list[tuple[str, int, tuple]], source: str,
             f"optimizer param groups hold {sizes} parameters, Megatron's grouping rule gives "
             f"{[len(g) for g in expected]}; ckptool cannot map this optimizer state to parameters",
             path=source, hint="Pass --drop-optimizer to carry the weights only")
+    kinds = [k for k, _ in grouped] if len(sizes) == len(grouped) else None
     names = iter([n for g in expected for n in g])
     tensors: dict[str, dict[str, tuple]] = {}
     steps = set()
@@ -117,7 +151,7 @@ def read(optimizer: Any, params: list[tuple[str, int, tuple]], source: str,
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]]
     extra = {k: v for k, v in optimizer.items() if k not in ("optimizer", "fp32_from_fp16_params")} \
         if fp16 else {}
-    return Layout(fp16, tensors, steps.pop() if steps else None, hyper, extra)
+    return Layout(fp16, tensors, steps.pop() if steps else None, hyper, extra, kinds)
 
 
 def _scalar(value):
@@ -127,15 +161,16 @@ def _scalar(value):
         return value
 
 
-def build(params: list[tuple[str, int]], layout: Layout, pending) -> dict:
+def build(params: list[tuple[str, int]], layout: Layout, pending, ep: int = 1) -> dict:
     """The optimizer entry of a target rank file.
 
     ``params`` is ``(local name, ndim)`` in the target model's named_parameters order;
-    ``pending(kind, name)`` gives the tensor placeholder for that parameter's state.
+    ``pending(kind, name)`` gives the tensor placeholder for that parameter's state; the
+    groups are Megatron-Core's at the target's EP (:func:`megatron_groups`).
     """
-
-    grouped = decay_groups(params)
-    hyper = layout.hyper if len(layout.hyper) >= 2 else layout.hyper + [dict(layout.hyper[0])]
+    kinds_and_groups = megatron_groups(params, ep)
+    grouped = [g for _, g in kinds_and_groups]
+    hyper = [_hyper_of(layout, k) for k, _ in kinds_and_groups]
 
     def entry(g, name):
         moments = {"exp_avg": pending("exp_avg", name), "exp_avg_sq": pending("exp_avg_sq", name)}

@@ -127,6 +127,9 @@ SCHEMAS = {
 }
 
 
+_LOCAL_EXPERTS = "mlp.experts.local_experts"
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
 # Module registration order inside one transformer layer, per schema: Megatron numbers
 # optimizer state by named_parameters() order, so a writer must emit parameters in it.
 _LAYER_ORDER = {
@@ -136,6 +139,10 @@ _LAYER_ORDER = {
                     "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
                     "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
                     "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+                    # a MoE layer's MLP: the router, the experts (by local index), shared experts
+                    "mlp.router.weight", _LOCAL_EXPERTS,
+                    "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight",
+                    "mlp.shared_experts.gate_weight",
                     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
                     "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"],
     "mcore-te": ["self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
@@ -162,6 +169,9 @@ def parameter_order(schema: str, local: str) -> tuple:
     if m and m.group("prefix") == s.layer_prefix:
         order = _LAYER_ORDER[schema]
         rest = m.group("rest")
+        expert = _LOCAL_EXPERT.match(rest)
+        if expert and _LOCAL_EXPERTS in order:  # expert j's linear_fc1, then its linear_fc2
+            return (1, int(m.group("i")), order.index(_LOCAL_EXPERTS), (int(expert.group(1)), expert.group(2)))
         return (1, int(m.group("i")), order.index(rest) if rest in order else len(order), rest)
     if "embedding" in local and local != s.tied_head:
         return (0, 0, 0 if "word" in local else 1, local)

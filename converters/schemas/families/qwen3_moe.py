@@ -7,7 +7,13 @@ from converters.schemas.families.base import Family, Feature, Fixed, Mapped
 from converters.schemas.families.llama import FINAL, LLAMA_CORE, NORMS, SILU
 from converters.schemas.families.qwen2_moe import MOE
 from converters.schemas.families.qwen3 import LAYER as QWEN3_LAYER
-from converters.schemas.families.rules import ROPE, fixed_false, llama_sizes, tie, window
+from converters.schemas.families.rules import (
+    ROPE,
+    fixed_false,
+    llama_sizes,
+    tie,
+    window,
+)
 
 ATTENTION = tuple(t for t in QWEN3_LAYER if t.name.startswith("self_attn."))
 EXPERTS = (
