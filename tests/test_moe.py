@@ -222,7 +222,6 @@ def test_qwen2_moe_to_megatron_runs_in_megatron_core_and_comes_back(tmp_path, ru
     """HF Qwen2-MoE (shared expert with its sigmoid gate, norm_topk_prob false) ->
     megatron --tp 2 --ep 2 -> real megatron-core gives transformers' logits; -> hf back too."""
     transformers = peer("transformers")
-    from tests.harness.hf import hf_logits, load_hf
 
     m = QWEN2_MOE
     config = transformers.Qwen2MoeConfig(
@@ -239,29 +238,38 @@ def test_qwen2_moe_to_megatron_runs_in_megatron_core_and_comes_back(tmp_path, ru
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias") or "shared_expert_gate" in name:
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
-    src = tmp_path / "qwen2moe"
+    dst = hf_moe_round_trip(model, m, tmp_path, run_cli)
+    args = torch.load(next(dst.glob("iter_*/mp_rank_00_000/model_optim_rng.pt")), weights_only=False)["args"]
+    assert (args.moe_router_pre_softmax, args.moe_shared_expert_gate,
+            args.moe_shared_expert_intermediate_size, args.add_qkv_bias) == (True, True, 40, True)
+
+
+def hf_moe_round_trip(model, m: dict, tmp_path, run_cli):
+    """``model`` saved by save_pretrained -> megatron --tp 2 --ep 2 -> real megatron-core
+    (built from the harness dict ``m``) gives transformers' logits; -> hf back gives them, as
+    the same architecture. Returns the Megatron checkpoint."""
+    from tests.harness.hf import hf_logits, load_hf
+
+    src = tmp_path / "hf"
     model.save_pretrained(src)
     want = hf_logits(model, m["vocab_size"])
     dst = tmp_path / "mg"
     r = run_cli("convert", src, dst, "--to", "megatron", "--tp", 2, "--ep", 2, "--dp", 2)
     assert r.code == 0, r.err
     assert_close(M.load_moe_logits(m, 2, 2, dst), want)
-    args = torch.load(next(dst.glob("iter_*/mp_rank_00_000/model_optim_rng.pt")), weights_only=False)["args"]
-    assert (args.moe_router_pre_softmax, args.moe_shared_expert_gate,
-            args.moe_shared_expert_intermediate_size, args.add_qkv_bias) == (True, True, 40, True)
     back = tmp_path / "back"
     r = run_cli("convert", dst, back, "--to", "hf")
     assert r.code == 0, r.err
     got = load_hf(back, dtype=torch.float32, attn_implementation="eager")
-    assert type(got).__name__ == "Qwen2MoeForCausalLM"
+    assert type(got).__name__ == type(model).__name__
     assert_close(hf_logits(got, m["vocab_size"]), want, atol=1e-5)
+    return dst
 
 
 def test_qwen3_moe_to_megatron_runs_in_megatron_core_and_comes_back(tmp_path, run_cli):
     """HF Qwen3-MoE (QK norms, norm_topk_prob true: Mixtral's router) -> megatron --tp 2
     --ep 2 -> real megatron-core gives transformers' logits; -> hf back too."""
     transformers = peer("transformers")
-    from tests.harness.hf import hf_logits, load_hf
 
     m = dict(M.MOE, qk_layernorm=True)
     config = transformers.Qwen3MoeConfig(
@@ -278,19 +286,7 @@ def test_qwen3_moe_to_megatron_runs_in_megatron_core_and_comes_back(tmp_path, ru
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
-    src = tmp_path / "qwen3moe"
-    model.save_pretrained(src)
-    want = hf_logits(model, m["vocab_size"])
-    dst = tmp_path / "mg"
-    r = run_cli("convert", src, dst, "--to", "megatron", "--tp", 2, "--ep", 2, "--dp", 2)
-    assert r.code == 0, r.err
-    assert_close(M.load_moe_logits(m, 2, 2, dst), want)
-    back = tmp_path / "back"
-    r = run_cli("convert", dst, back, "--to", "hf")
-    assert r.code == 0, r.err
-    got = load_hf(back, dtype=torch.float32, attn_implementation="eager")
-    assert type(got).__name__ == "Qwen3MoeForCausalLM"
-    assert_close(hf_logits(got, m["vocab_size"]), want, atol=1e-5)
+    hf_moe_round_trip(model, m, tmp_path, run_cli)
 
 
 # ------------------------------------------------------ with the optimizer state

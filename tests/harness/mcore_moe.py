@@ -174,11 +174,7 @@ def _save_moe_worker(rank, m, tp, ep, root, port):
                     "checkpoint_version": 3.0, "model": model.state_dict()}, f)
     if rank == 0:
         (Path(root) / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
-    logits = M._forward(ps, model, m, tp, 1)
-    if rank == 0:
-        torch.save(logits, Path(root).parent / f"{Path(root).name}.logits.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    _save_logits(ps, model, m, tp, rank, Path(root).parent / f"{Path(root).name}.logits.pt")
 
 
 def _load_rank_state(ps, model, tp: int, ep: int, root) -> dict:
@@ -316,11 +312,7 @@ def _save_moe_dist_worker(rank, m, tp, ep, root, port):
                              "iteration": ITERATION, "checkpoint_version": 3.0}, str(it))
     if rank == 0:
         (Path(root) / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
-    logits = M._forward(ps, model, m, tp, 1)
-    if rank == 0:
-        torch.save(logits, Path(root).parent / f"{Path(root).name}.logits.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    _save_logits(ps, model, m, tp, rank, Path(root).parent / f"{Path(root).name}.logits.pt")
 
 
 def _load_moe_dist_worker(rank, m, tp, ep, root, out, port):
