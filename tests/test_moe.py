@@ -314,3 +314,12 @@ def test_reshard_with_adam_state_resumes_exactly_at_another_ep(trained_ep2, to, 
     resumed = M.resume_one_step_moe(M.MOE, to["tp"], to["ep"], dst)
     assert abs(resumed["loss"] - after["loss"]) / abs(after["loss"]) < 1e-5
     assert_close(resumed["logits"], after["logits"])
+
+
+def test_torch_dist_reshards_its_experts_in_place(dist_ep2, tmp_path, run_cli):
+    """megatron-dist -> megatron-dist at EP1: mcore's own load gives the save's logits."""
+    src, want = dist_ep2
+    dst = tmp_path / "ep1"
+    r = run_cli("reshard", src, dst, "--to-ep", 1, "--to-dp", 1, "--true-vocab-size", M.MOE["vocab_size"])
+    assert r.code == 0, r.err
+    assert_close(M.load_moe_dist_logits(M.MOE, 1, 1, dst), want)
