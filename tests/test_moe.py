@@ -323,3 +323,28 @@ def test_torch_dist_reshards_its_experts_in_place(dist_ep2, tmp_path, run_cli):
     r = run_cli("reshard", src, dst, "--to-ep", 1, "--to-dp", 1, "--true-vocab-size", M.MOE["vocab_size"])
     assert r.code == 0, r.err
     assert_close(M.load_moe_dist_logits(M.MOE, 1, 1, dst), want)
+
+
+def test_args_that_claim_more_experts_than_the_files_hold_are_refused(ep2, tmp_path, run_cli):
+    """A checkpoint is untrusted: args naming experts (or EP ranks) the files do not hold are
+    a bad checkpoint (exit 1), before anything is laid out for them."""
+    src, _ = ep2
+    for change, says in ((dict(num_experts=400000), "the layout from args says [400000"),
+                         (dict(expert_model_parallel_size=10 ** 9, data_parallel_size=10 ** 9),
+                          "rank directories, 2 found")):
+        bad = tmp_path / f"bad{len(says)}"
+        shutil.copytree(src, bad)
+        for f in bad.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+            state = torch.load(f, weights_only=False)
+            vars(state["args"]).update(change)
+            torch.save(state, f)
+        r = run_cli("inspect", bad)
+        assert r.code == 1 and says in r.err and "Traceback" not in r.err, r.err
+    bad = tmp_path / "missing"
+    shutil.copytree(src, bad)
+    f = bad / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt"
+    state = torch.load(f, weights_only=False)
+    state["model"] = {k: v for k, v in state["model"].items() if ".local_experts.1." not in k}
+    torch.save(state, f)
+    r = run_cli("inspect", bad)
+    assert r.code == 1 and "experts args name" in r.err and "Traceback" not in r.err, r.err

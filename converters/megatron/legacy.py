@@ -226,6 +226,9 @@ class MegatronReader(TorchFileReader):
         for key, info in index.tensors.items():
             if not info.pieces:
                 raise BadCheckpoint("tensor has only replicas, no primary copy", path=store.url, key=key)
+            if expert_of_stacked(key) and sum(p.region.numel for p in info.pieces) != math.prod(info.shape):
+                raise BadCheckpoint(f"the rank files hold part of the {info.shape[0]} experts args name "
+                                    "(each EP rank's local_experts)", path=store.url, key=key)
         return index
 
     def _read_optimizer(self, store, index, f, data, mapped, params, padded, topo) -> None:
@@ -329,7 +332,15 @@ def _global_module(local_module: str, layers: range) -> str:
     return f"decoder.layers.{layers[int(m.group(2))]}.{m.group(3)}"
 
 
+def expert_of_stacked(key: str) -> bool:
+    return ".mlp.experts.experts." in key
+
+
 def _check_rank_set(files: list[_RankFile], topo: Topology, store: Store) -> None:
+    if topo.tp * topo.pp * topo.ep != len(files) and topo.tp * topo.pp * topo.ep > 4 * len(files) + 64:
+        raise BadCheckpoint(f"args say TP{topo.tp}/PP{topo.pp}/EP{topo.ep}: "
+                            f"{topo.tp * topo.pp * topo.ep} rank directories, {len(files)} found",
+                            path=store.url)
     want = {(t, p, e) for t in range(topo.tp) for p in range(topo.pp) for e in range(topo.ep)}
     have = {(f.tp, f.pp, f.ep) for f in files}
     if have != want:
