@@ -27,20 +27,30 @@ def _shared(config: dict) -> dict:
     return {"moe_shared_expert_size": int(size) if size else None, "moe_shared_expert_gate": bool(size)}
 
 
+def qwen_experts(norm_topk_default: bool) -> tuple:
+    """The MoE config rules Qwen2-MoE and Qwen3-MoE share (``norm_topk_prob``'s default
+    differs: false in Qwen2-MoE, true in Qwen3-MoE). Every layer MoE; the aux loss is
+    training-only."""
+    return (
+        Mapped("num_experts_per_tok", "moe_router_topk", default=2),
+        Mapped("moe_intermediate_size", "moe_ffn_hidden_size"),
+        Feature(("norm_topk_prob",),
+                lambda c: {"moe_router_pre_softmax": not c.get("norm_topk_prob", norm_topk_default)},
+                lambda s, v, b: {"norm_topk_prob": not s.moe_router_pre_softmax}),
+        Feature(("intermediate_size",), lambda c: {"ffn_hidden_size": int(c["intermediate_size"])},
+                lambda s, v, b: {"intermediate_size": s.ffn}),  # the dense MLP of mlp_only_layers: none
+        Fixed("decoder_sparse_step", (1, None)),
+        Fixed("mlp_only_layers", ([], None)),
+        Feature(("router_aux_loss_coef", "output_router_logits"), lambda c: {}, lambda s, v, b: {}),
+    )
+
+
 EXPERTS = (
     Mapped("num_experts", "num_experts"),
-    Mapped("num_experts_per_tok", "moe_router_topk", default=2),
-    Mapped("moe_intermediate_size", "moe_ffn_hidden_size"),
+    *qwen_experts(norm_topk_default=False),
     Feature(("shared_expert_intermediate_size",), _shared,
             lambda s, v, b: {"shared_expert_intermediate_size": s.moe_shared_expert_size or 0}),
-    Feature(("norm_topk_prob",), lambda c: {"moe_router_pre_softmax": not c.get("norm_topk_prob", False)},
-            lambda s, v, b: {"norm_topk_prob": not s.moe_router_pre_softmax}),
-    Feature(("intermediate_size",), lambda c: {"ffn_hidden_size": int(c["intermediate_size"])},
-            lambda s, v, b: {"intermediate_size": s.ffn}),  # the dense MLP of mlp_only_layers: none
-    Fixed("decoder_sparse_step", (1, None)),
-    Fixed("mlp_only_layers", ([], None)),
     Fixed("qkv_bias", (True, None)),
-    Feature(("router_aux_loss_coef", "output_router_logits"), lambda c: {}, lambda s, v, b: {}),
 )
 
 FAMILY = Family(

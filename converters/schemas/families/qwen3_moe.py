@@ -3,9 +3,9 @@
 no shared expert); ``norm_topk_prob`` true (its default) is Mixtral's router, false is
 Megatron's ``moe_router_pre_softmax``."""
 
-from converters.schemas.families.base import Family, Feature, Fixed, Mapped
+from converters.schemas.families.base import Family, Feature
 from converters.schemas.families.llama import FINAL, LLAMA_CORE, NORMS, SILU
-from converters.schemas.families.qwen2_moe import MOE
+from converters.schemas.families.qwen2_moe import MOE, qwen_experts
 from converters.schemas.families.qwen3 import LAYER as QWEN3_LAYER
 from converters.schemas.families.rules import (
     ROPE,
@@ -21,15 +21,7 @@ EXPERTS = (
     Feature(("num_local_experts", "num_experts"),
             lambda c: {"num_experts": int(c.get("num_local_experts") or c["num_experts"])},
             lambda s, v, b: {"num_experts" if "num_experts" in b else "num_local_experts": s.num_experts}),
-    Mapped("num_experts_per_tok", "moe_router_topk", default=2),
-    Mapped("moe_intermediate_size", "moe_ffn_hidden_size"),
-    Feature(("norm_topk_prob",), lambda c: {"moe_router_pre_softmax": not c.get("norm_topk_prob", True)},
-            lambda s, v, b: {"norm_topk_prob": not s.moe_router_pre_softmax}),
-    Feature(("intermediate_size",), lambda c: {"ffn_hidden_size": int(c["intermediate_size"])},
-            lambda s, v, b: {"intermediate_size": s.ffn}),  # the dense MLP of mlp_only_layers: none
-    Fixed("decoder_sparse_step", (1, None)),
-    Fixed("mlp_only_layers", ([], None)),
-    Feature(("router_aux_loss_coef", "output_router_logits"), lambda c: {}, lambda s, v, b: {}),
+    *qwen_experts(norm_topk_default=True),
 )
 
 FAMILY = Family(
