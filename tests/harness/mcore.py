@@ -105,7 +105,10 @@ def _sliding_window_mask_on_cpu():
     fused_softmax.get_sliding_window_causal_mask = mask
 
 
-def _model(m: dict, tp: int, pp: int, pre: bool, post: bool):
+def _model(m: dict, tp: int, pp: int, pre: bool, post: bool, config: dict | None = None,
+           layer_spec: dict | None = None):
+    """The harness dict ``m``'s GPTModel at TP/PP; ``config`` and ``layer_spec`` add
+    TransformerConfig fields and get_gpt_layer_local_spec arguments (a MoE's)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -120,9 +123,9 @@ def _model(m: dict, tp: int, pp: int, pre: bool, post: bool):
         normalization=m["norm"], params_dtype=torch.float32, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0,
         add_qkv_bias=f["qkv_bias"], qk_layernorm=f["qk_layernorm"], kv_channels=f["kv_channels"],
-        window_size=(f["window"] - 1, 0) if f["window"] else None)
-    layer_spec = get_gpt_layer_local_spec(normalization=m["norm"], qk_layernorm=f["qk_layernorm"])
-    return GPTModel(config=cfg, transformer_layer_spec=layer_spec,
+        window_size=(f["window"] - 1, 0) if f["window"] else None, **(config or {}))
+    spec = get_gpt_layer_local_spec(normalization=m["norm"], qk_layernorm=f["qk_layernorm"], **(layer_spec or {}))
+    return GPTModel(config=cfg, transformer_layer_spec=spec,
                     vocab_size=padded(m["vocab_size"], m["divisible_by"], tp), max_sequence_length=SEQ,
                     pre_process=pre, post_process=post,
                     share_embeddings_and_output_weights=m["tied"], position_embedding_type=m["pos"],

@@ -78,31 +78,16 @@ def _init(rank, tp, ep, port):
 
 
 def _model(m: dict, tp: int, ep: int):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    act = torch.nn.functional.silu if m["swiglu"] else torch.nn.functional.gelu
-    cfg = TransformerConfig(
-        num_layers=m["num_layers"], hidden_size=m["hidden_size"],
-        num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
-        ffn_hidden_size=m["ffn_hidden_size"], use_cpu_initialization=True,
-        gated_linear_unit=m["swiglu"], activation_func=act, add_bias_linear=m["bias"],
-        normalization=m["norm"], params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=tp, hidden_dropout=0.0, attention_dropout=0.0,
+    """:func:`tests.harness.mcore._model` with ``m``'s experts (SequentialMLP, Mixtral's or
+    Qwen2-MoE's router, a gated shared expert when ``m["shared"]``), EP=ep, ETP=TP."""
+    return M._model(m, tp, 1, True, True, config=dict(
         num_moe_experts=m["num_experts"], moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
         moe_router_topk=m["topk"], moe_router_score_function="softmax",
         moe_router_pre_softmax=m.get("pre_softmax", False), moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False, moe_expert_capacity_factor=None,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
-        moe_shared_expert_intermediate_size=m.get("shared"), moe_shared_expert_gate=bool(m.get("shared")),
-        add_qkv_bias=m.get("qkv_bias", False), qk_layernorm=m.get("qk_layernorm", False))
-    spec = get_gpt_layer_local_spec(num_experts=m["num_experts"], moe_grouped_gemm=False,
-                                    normalization=m["norm"], qk_layernorm=m.get("qk_layernorm", False))
-    return GPTModel(config=cfg, transformer_layer_spec=spec,
-                    vocab_size=M.padded(m["vocab_size"], m["divisible_by"], tp),
-                    max_sequence_length=M.SEQ, pre_process=True, post_process=True,
-                    share_embeddings_and_output_weights=m["tied"], position_embedding_type=m["pos"])
+        moe_shared_expert_intermediate_size=m.get("shared"), moe_shared_expert_gate=bool(m.get("shared"))),
+        layer_spec=dict(num_experts=m["num_experts"], moe_grouped_gemm=False))
 
 
 def global_name(name: str, ep_rank: int, local_experts: int) -> str:
