@@ -47,6 +47,54 @@ def test_reshard_across_ep_and_tp_loads_in_megatron_core_with_the_same_logits(ep
     assert run_cli("verify", "--deep", back).code == 0
 
 
+ETP = [dict(tp=2, ep=1, etp=1), dict(tp=2, ep=2, etp=1)]
+"""TP2 with whole experts (ETP1), at EP1 (every rank holds every expert, expert-DP 2) and at
+EP2 on two ranks, whose (TP, EP) ranks are (0, 0) and (1, 1)."""
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "megatron-dist"])
+@pytest.mark.parametrize("to", ETP)
+def test_reshard_to_whole_experts_under_tp2_loads_in_megatron_core(ep2, fmt, to, tmp_path, run_cli):
+    """Expert TP other than TP: ckptool splits the experts by ETP and the dense layers by TP;
+    mcore at TP2/ETP1 loads it (each rank its own legacy file, or dist_checkpointing) with
+    the original logits, and it comes back to TP1/EP2."""
+    src, want = ep2
+    dst = tmp_path / "out"
+    load = M.load_moe_logits if fmt == "megatron" else M.load_moe_dist_logits
+    r = run_cli("convert", src, dst, "--to", fmt, "--tp", to["tp"], "--ep", to["ep"], "--etp", to["etp"],
+                "--dp", 1, "--true-vocab-size", M.MOE["vocab_size"])
+    assert r.code == 0, r.err
+    assert_close(load(M.MOE, to["tp"], to["ep"], dst, etp=to["etp"]), want)
+    back = tmp_path / "back"
+    r = run_cli("reshard", dst, back, "--etp", to["etp"], "--to-tp", 1, "--to-etp", 1, "--to-ep", 2, "--to-dp", 2)
+    assert r.code == 0, r.err
+    assert_close(load(M.MOE, 1, 2, back), want)
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "megatron-dist"])
+def test_a_tp2_etp1_ep2_save_by_megatron_core_reshards_to_ep1(fmt, tmp_path, run_cli):
+    """What mcore itself writes at TP2/ETP1/EP2: the legacy layout has only the rank files
+    (TP0, EP0) and (TP1, EP1); each TP shard and each EP rank's experts is read from the one
+    file that holds it."""
+    src = tmp_path / "src"
+    save = M.save_moe if fmt == "megatron" else M.save_moe_dist
+    want = save(M.MOE, 2, 2, src, etp=1)
+    if fmt == "megatron":
+        assert sorted(p.name for p in (src / "iter_0000010").iterdir()) == ["mp_rank_00_000", "mp_rank_01_001"]
+    import json
+    topology = json.loads(run_cli("inspect", src, "--json").out)["topology"]
+    assert (topology["tp"], topology["ep"], topology["etp"]) == (2, 2, 1)
+    dst = tmp_path / "ep1"
+    r = run_cli("convert", src, dst, "--to", "megatron", "--tp", 1, "--ep", 1, "--etp", 1, "--dp", 1,
+                "--true-vocab-size", M.MOE["vocab_size"])
+    assert r.code == 0, r.err
+    assert_close(M.load_moe_logits(M.MOE, 1, 1, dst), want)
+    if fmt == "megatron":  # a missing shard is named
+        shutil.rmtree(src / "iter_0000010" / "mp_rank_01_001")
+        r = run_cli("inspect", src)
+        assert r.code == 1 and "missing ['mp_rank_00_001', 'mp_rank_01_000']" in r.err, r.err
+
+
 def test_two_experts_swapped_are_caught(ep2, tmp_path, run_cli):
     """The same check fails when two experts change places (the test can fail)."""
     src, want = ep2
@@ -78,6 +126,7 @@ def test_inspect_shows_the_expert_layout(ep2, run_cli):
 @pytest.mark.parametrize("args,says", [
     (("--to-ep", 3, "--to-dp", 3), "4 experts must be divisible by EP (3)"),
     (("--to-ep", 4, "--to-dp", 2), "must divide dp"),
+    (("--to-tp", 2, "--to-etp", 4, "--to-ep", 1, "--to-dp", 2), "ETP4 must divide TP2"),
 ])
 def test_impossible_ep_targets_are_refused_before_anything_is_written(ep2, tmp_path, run_cli, args, says):
     src, _ = ep2

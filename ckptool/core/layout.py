@@ -305,9 +305,11 @@ def check(spec: ModelSpec, topo: Topology) -> None:
         if spec.moe_ffn % topo.expert_tp:
             raise TopologyError(f"moe_ffn_hidden_size ({spec.moe_ffn}) must be divisible by ETP "
                                 f"({topo.expert_tp})")
-        if topo.expert_tp != tp:
-            raise TopologyError(f"expert tensor parallelism ETP{topo.expert_tp} other than TP{tp} "
-                                "is not laid out by ckptool yet", hint="Keep --to-etp equal to the TP")
+        if tp % topo.expert_tp:
+            raise TopologyError(f"expert tensor parallelism ETP{topo.expert_tp} must divide TP{tp} "
+                                "(a rank's expert TP rank is its TP rank modulo ETP, and Megatron "
+                                "names a rank file by its TP and EP rank alone)",
+                                hint="Pick an --etp/--to-etp that divides the TP")
         if spec.moe_shared_expert_size and spec.moe_shared_expert_size % tp:
             raise TopologyError(f"the shared experts' size ({spec.moe_shared_expert_size}) must be "
                                 f"divisible by TP ({tp})")
@@ -374,6 +376,14 @@ def ep_sizes(spec: ModelSpec) -> list[int]:
     return [n for n in range(1, spec.num_experts + 1) if spec.num_experts % n == 0]
 
 
+def expert_tp_rank(topo: Topology, tp_rank: int) -> int:
+    """The expert tensor-parallel rank of TP rank ``tp_rank``. Megatron-Core orders both the
+    dense ranks (TP innermost) and the expert ranks (ETP innermost) from the global rank, so
+    with ETP dividing TP (:func:`check`) it is ``tp_rank % ETP``: the TP ranks ``>= ETP``
+    hold copies of the expert shards of the first ETP ones."""
+    return tp_rank % topo.expert_tp
+
+
 def split(param: Param, tp_rank: int, tp: int, padded_rows: int | None = None,
           expert: int | None = None) -> Shard:
     """The shard of ``param`` that TP rank ``tp_rank`` of ``tp`` holds, per its rule; for an
@@ -416,7 +426,9 @@ def split(param: Param, tp_rank: int, tp: int, padded_rows: int | None = None,
 
 def layout(spec: ModelSpec, topo: Topology) -> list[RankLayout]:
     """Every (pp_rank, tp_rank, ep_rank)'s local tensors. DP replicas are not listed; the
-    dense tensors of EP rank > 0 (EP re-divides data-parallel ranks) are replicas."""
+    dense tensors of EP rank > 0 (EP re-divides data-parallel ranks) are replicas, and so are
+    the experts of TP ranks past the ETP (:func:`expert_tp_rank`). Every (tp, ep) pair is
+    listed: which of them a job's ranks hold depends on its DP size, and any may be asked for."""
     check(spec, topo)
     vocab_rows = spec.padded_vocab(topo.tp)
     stages = stage_layers(spec, topo.pp, topo.vpp)
@@ -428,7 +440,9 @@ def layout(spec: ModelSpec, topo: Topology) -> list[RankLayout]:
                 for param in layer_params(spec, i):
                     name = _local_name(param.key, i, local)
                     if param.rule in EXPERT_RULES:
-                        rank.tensors.extend(LocalTensor(chunk, expert_name(name, j), split(param, t, topo.tp, expert=g))
+                        r = expert_tp_rank(topo, t)
+                        rank.tensors.extend(LocalTensor(chunk, expert_name(name, j),
+                                                        split(param, r, topo.expert_tp, expert=g), replica=t != r)
                                             for j, g in enumerate(local_experts(spec, topo, e)))
                     else:
                         rank.tensors.append(LocalTensor(chunk, name, split(param, t, topo.tp),

@@ -31,7 +31,7 @@ from ckptool.core import optimizer as canon
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
-from ckptool.core.layout import ModelSpec, expert_of, local_experts, stage_layers
+from ckptool.core.layout import ModelSpec, expert_of, expert_tp_rank, local_experts, stage_layers
 from ckptool.core.regions import Shard
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
@@ -175,7 +175,7 @@ class MegatronReader(TorchFileReader):
                                 hint="ckptool needs args to know the model layout")
         spec, topo, vocab_known = spec_from_args(args)
         files = sorted((f.placed(topo) for f in files), key=lambda f: (f.pp, f.ep, f.tp))
-        _check_rank_set(files, topo, store)
+        primaries = _primaries(files, topo, store)
         version = first.get("checkpoint_version")
         index = CheckpointIndex(format=self.name, url=store.url, topology=topo,
                                 model_config=asdict(spec),
@@ -194,7 +194,8 @@ class MegatronReader(TorchFileReader):
             archive = self._load(store, f.rel)
             data = archive.obj
             index.files[f.rel] = 1
-            if "rng_state" in data and f.ep == 0:
+            dense_primary, expert_primary = primaries[f.rel]
+            if "rng_state" in data and dense_primary:
                 index.objects[f"rank.{f.tp:02d}_{f.pp:03d}.rng_state"] = ObjectInfo(
                     "rng_state", value=archive.materialize(data["rng_state"]))
             mapped = {}  # "chunk/local name" -> (canonical, replica, shape, dtype)
@@ -212,7 +213,7 @@ class MegatronReader(TorchFileReader):
                         continue
                     canonical, replica = to_canonical(schema, local_name, layers, spec.tied_embeddings)
                     canonical, expert = _expert(canonical, spec, topo, f)
-                    replica = replica or (f.ep > 0 and expert is None)  # EP re-divides DP ranks
+                    replica = replica or not (dense_primary if expert is None else expert_primary)
                     _add_piece(index, params, canonical, replica, f, (MODEL_PATH, chunk_key, local_name),
                                value, padded, topo, store, expert=expert)
                     mapped[f"{chunk_key}/{local_name}"] = (canonical, replica, tuple(value.shape),
@@ -336,22 +337,36 @@ def expert_of_stacked(key: str) -> bool:
     return ".mlp.experts.experts." in key
 
 
-def _check_rank_set(files: list[_RankFile], topo: Topology, store: Store) -> None:
+def _primaries(files: list[_RankFile], topo: Topology, store: Store) -> dict[str, tuple[bool, bool]]:
+    """Per rank file: (holds the primary dense tensors of its (TP, PP) rank, holds the
+    primary experts of its (expert TP rank, EP rank, PP rank)); the first file in (PP, EP, TP)
+    order wins. Megatron-LM writes a file per (TP, PP, EP) rank that a DP-rank-0 or an
+    expert-DP-rank-0 rank holds: every pair when ETP = TP, only some when ETP < TP (TP2,
+    ETP1, EP2 on two ranks: ``mp_rank_00_000`` and ``mp_rank_01_001``). Refuses a set that
+    leaves a dense shard or an expert shard uncovered, or names ranks the args do not have."""
     if topo.tp * topo.pp * topo.ep != len(files) and topo.tp * topo.pp * topo.ep > 4 * len(files) + 64:
         raise BadCheckpoint(f"args say TP{topo.tp}/PP{topo.pp}/EP{topo.ep}: "
                             f"{topo.tp * topo.pp * topo.ep} rank directories, {len(files)} found",
                             path=store.url)
-    want = {(t, p, e) for t in range(topo.tp) for p in range(topo.pp) for e in range(topo.ep)}
-    have = {(f.tp, f.pp, f.ep) for f in files}
-    if have != want:
-        missing = sorted(want - have)
-        extra = sorted(have - want)
-        shown = "" if topo.ep == 1 else f"/EP{topo.ep}"
+    shown = "" if topo.ep == 1 else f"/EP{topo.ep}"
+    extra = [f for f in files if f.tp >= topo.tp or f.pp >= topo.pp or f.ep >= topo.ep]
+    dense, experts, out = {}, {}, {}
+    for f in files:
+        if f not in extra:
+            first_dense = dense.setdefault((f.tp, f.pp), f) is f
+            first_expert = experts.setdefault((expert_tp_rank(topo, f.tp), f.ep, f.pp), f) is f
+            out[f.rel] = (first_dense, first_expert)
+    missing = [rank_dir(t, p, topo.pp, 0, topo.ep) for p in range(topo.pp) for t in range(topo.tp)
+               if (t, p) not in dense]
+    missing += [rank_dir(r, p, topo.pp, e, topo.ep) for p in range(topo.pp) for e in range(topo.ep)
+                for r in range(topo.expert_tp) if (r, e, p) not in experts]
+    if missing or extra:
         raise BadCheckpoint(
             f"rank directories do not match args TP{topo.tp}/PP{topo.pp}{shown}: "
-            + (f"missing {[rank_dir(t, p, topo.pp, e, topo.ep) for t, p, e in missing]}" if missing else "")
-            + (f" unexpected {[rank_dir(t, p, topo.pp, e, topo.ep) for t, p, e in extra]}" if extra else ""),
+            + (f"missing {sorted(set(missing))}" if missing else "")
+            + (f" unexpected {[rank_dir(f.tp, f.pp, topo.pp, f.ep, topo.ep) for f in extra]}" if extra else ""),
             path=store.url)
+    return out
 
 
 def _expert(canonical: str | None, spec: ModelSpec, topo: Topology, f: _RankFile) -> tuple:

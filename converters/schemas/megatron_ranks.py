@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from ckptool.core.errors import BadCheckpoint, UnreadableInput
 from ckptool.core.index import Location, Piece, TensorInfo
-from ckptool.core.layout import ModelSpec, split
+from ckptool.core.layout import ModelSpec, expert_tp_rank, split
 from ckptool.core.torchfile import TensorRef
 
 
@@ -23,7 +23,7 @@ def add_piece(index, params, canonical, replica, f, path, value, padded, topo, s
               file=None, base=None, expert=None):
     """Record ``value`` (at ``path`` in ``file``, default the rank file ``f.rel``) as the TP
     shard of ``canonical`` that TP rank ``f.tp`` holds (of global expert ``expert`` for a
-    stacked expert tensor); with ``base``, the shard is the flat slice of ``value`` that
+    stacked expert tensor, split by its expert TP rank); with ``base``, the shard is the flat slice of ``value`` that
     starts there (distributed optimizer vectors)."""
     file = file or f.rel
     param = params.get(canonical) if canonical else None
@@ -32,7 +32,8 @@ def add_piece(index, params, canonical, replica, f, path, value, padded, topo, s
                             path=store.display(file), key=canonical)
     if not isinstance(value, TensorRef):
         raise BadCheckpoint("expected a tensor", path=store.display(file), key=str(path[-1]))
-    shard = split(param, f.tp, topo.tp, padded, expert=expert)
+    shard = split(param, f.tp, topo.tp, padded) if expert is None else \
+        split(param, expert_tp_rank(topo, f.tp), topo.expert_tp, expert=expert)
     if base is None and tuple(value.shape) != shard.shape:
         raise BadCheckpoint(f"local tensor is {list(value.shape)}, the layout from args says "
                             f"{list(shard.shape)}", path=store.display(file), key=str(path[-1]))

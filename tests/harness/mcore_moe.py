@@ -1,5 +1,5 @@
 """Real megatron-core MoE GPT models on CPU (gloo): SequentialMLP experts (the local spec),
-built at TP/EP (ETP = TP, PP = 1), saved in Megatron-LM's legacy layout (also trained, with
+built at TP/EP/ETP (ETP defaults to TP; PP = 1), saved in Megatron-LM's legacy layout (also trained, with
 the optimizer state, and resumed) or in Megatron-Core's ``torch_dist``, and loaded back, with
 a real forward. Runs in spawned processes; the dense helpers come from :mod:`tests.harness.mcore`.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import re
 import zlib
@@ -37,14 +38,21 @@ ITERATION = 10
 _EXPERT = re.compile(r"(\.local_experts\.)(\d+)(\.)")
 
 
-def moe_args(m: dict, tp: int, pp: int, ep: int) -> argparse.Namespace:
-    """The args Megatron-LM stores for a MoE run of tp*pp*ep processes (DP = EP, ETP = TP)."""
+def world_size(tp: int, ep: int, etp: int | None = None) -> int:
+    """The fewest processes (PP = 1) that run TP=tp, EP=ep, ETP=etp: TP x DP with the least
+    DP that Megatron-Core's rule ``etp * ep | tp * dp`` allows (DP = EP when ETP = TP)."""
+    need = (etp or tp) * ep
+    return tp * need // math.gcd(tp, need)
+
+
+def moe_args(m: dict, tp: int, pp: int, ep: int, etp: int | None = None) -> argparse.Namespace:
+    """The args Megatron-LM stores for a MoE run on :func:`world_size` processes per stage."""
     args = M.megatron_args(m, tp, pp)
-    world = tp * pp * ep
+    world = world_size(tp, ep, etp) * pp
     vars(args).update(
         num_experts=m["num_experts"], moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
         moe_router_topk=m["topk"], moe_layer_freq=1, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=tp, moe_router_score_function="softmax",
+        expert_tensor_parallel_size=etp or tp, moe_router_score_function="softmax",
         moe_router_pre_softmax=m.get("pre_softmax", False), moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False, moe_expert_capacity_factor=None,
         moe_shared_expert_intermediate_size=m.get("shared"), moe_shared_expert_gate=bool(m.get("shared")),
@@ -59,10 +67,11 @@ def rank_dir(tp_rank: int, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
         (f"_{ep_rank:03d}" if ep > 1 else "")
 
 
-def _init(rank, tp, ep, port):
-    """mcore.py's shims, with expert parallelism (EP=ep, ETP=tp) on tp*ep processes."""
+def _init(rank, tp, ep, etp, port):
+    """mcore.py's shims, with expert parallelism (EP=ep, ETP=etp or TP) on
+    :func:`world_size` processes."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=tp * ep)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size(tp, ep, etp))
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = lambda self, *a, **k: self
     from megatron.core import parallel_state, tensor_parallel
@@ -71,21 +80,21 @@ def _init(rank, tp, ep, port):
     moe_utils.te_general_gemm = None
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              expert_model_parallel_size=ep,
-                                             expert_tensor_parallel_size=tp)
+                                             expert_tensor_parallel_size=etp or tp)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     M._sliding_window_mask_on_cpu()
     return parallel_state
 
 
-def _model(m: dict, tp: int, ep: int):
+def _model(m: dict, tp: int, ep: int, etp: int | None = None):
     """:func:`tests.harness.mcore._model` with ``m``'s experts (SequentialMLP, Mixtral's or
-    Qwen2-MoE's router, a gated shared expert when ``m["shared"]``), EP=ep, ETP=TP."""
+    Qwen2-MoE's router, a gated shared expert when ``m["shared"]``), EP=ep, ETP=etp or TP."""
     return M._model(m, tp, 1, True, True, config=dict(
         num_moe_experts=m["num_experts"], moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
         moe_router_topk=m["topk"], moe_router_score_function="softmax",
         moe_router_pre_softmax=m.get("pre_softmax", False), moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False, moe_expert_capacity_factor=None,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp,
         moe_shared_expert_intermediate_size=m.get("shared"), moe_shared_expert_gate=bool(m.get("shared"))),
         layer_spec=dict(num_experts=m["num_experts"], moe_grouped_gemm=False))
 
@@ -131,10 +140,10 @@ def _randomize(ps, model, m: dict) -> None:
             p.copy_(full)
 
 
-def _randomized_model(ps, m: dict, tp: int, ep: int):
-    """The harness MoE model at (tp, ep), every parameter its global value's piece."""
+def _randomized_model(ps, m: dict, tp: int, ep: int, etp: int | None = None):
+    """The harness MoE model at (tp, ep, etp), every parameter its global value's piece."""
     torch.manual_seed(1234)
-    model = _model(m, tp, ep)
+    model = _model(m, tp, ep, etp)
     _randomize(ps, model, m)
     return model
 
@@ -149,20 +158,26 @@ def _rank_file(ps, root, ep: int, iteration: int | None = None) -> Path:
         "model_optim_rng.pt"
 
 
-def _save_moe_worker(rank, m, tp, ep, root, port):
-    ps = _init(rank, tp, ep, port)
-    model = _randomized_model(ps, m, tp, ep)
-    if ps.get_expert_data_parallel_rank() == 0:  # one writer per (tp, pp, ep)
+def _writes_legacy(ps) -> bool:
+    """Megatron-LM's legacy writers: the ranks whose DP or expert-DP rank is 0 (together they
+    hold every (tp, ep) shard; either alone does not when ETP < TP)."""
+    return ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0
+
+
+def _save_moe_worker(rank, m, tp, ep, etp, root, port):
+    ps = _init(rank, tp, ep, etp, port)
+    model = _randomized_model(ps, m, tp, ep, etp)
+    if _writes_legacy(ps):
         f = _rank_file(ps, root, ep, ITERATION)
         f.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"args": moe_args(m, tp, 1, ep), "iteration": ITERATION,
+        torch.save({"args": moe_args(m, tp, 1, ep, etp), "iteration": ITERATION,
                     "checkpoint_version": 3.0, "model": model.state_dict()}, f)
     if rank == 0:
         (Path(root) / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     _save_logits(ps, model, m, tp, rank, Path(root).parent / f"{Path(root).name}.logits.pt")
 
 
-def _load_rank_state(ps, model, tp: int, ep: int, root) -> dict:
+def _load_rank_state(ps, model, tp: int, ep: int, etp: int | None, root) -> dict:
     """Load this rank's legacy file (the tracker's iteration) into ``model`` strictly; the
     file's whole state."""
     state = torch.load(_rank_file(ps, root, ep), weights_only=False)
@@ -170,6 +185,7 @@ def _load_rank_state(ps, model, tp: int, ep: int, root) -> dict:
     # file of another EP holds other experts under the same local names.
     assert state["args"].tensor_model_parallel_size == tp
     assert state["args"].expert_model_parallel_size == ep
+    assert state["args"].expert_tensor_parallel_size == (etp or tp)
     assert "iteration" in state
     model.load_state_dict(state["model"], strict=True)
     return state
@@ -184,24 +200,26 @@ def _save_logits(ps, model, m: dict, tp: int, rank: int, out) -> None:
     dist.destroy_process_group()
 
 
-def _load_moe_worker(rank, m, tp, ep, root, out, port):
-    ps = _init(rank, tp, ep, port)
-    model = _model(m, tp, ep)
-    _load_rank_state(ps, model, tp, ep, root)
+def _load_moe_worker(rank, m, tp, ep, etp, root, out, port):
+    ps = _init(rank, tp, ep, etp, port)
+    model = _model(m, tp, ep, etp)
+    _load_rank_state(ps, model, tp, ep, etp, root)
     _save_logits(ps, model, m, tp, rank, out)
 
 
-def save_moe(m: dict, tp: int, ep: int, root: Path) -> torch.Tensor:
-    """Build the MoE model at TP=tp, EP=ep on tp*ep processes, save it in the legacy layout
-    (``root/iter_0000010/mp_rank_TT[_EEE]/model_optim_rng.pt``); return its logits."""
-    M._spawn(_save_moe_worker, tp * ep, m, tp, ep, str(root))
+def save_moe(m: dict, tp: int, ep: int, root: Path, etp: int | None = None) -> torch.Tensor:
+    """Build the MoE model at TP=tp, EP=ep, ETP=etp on :func:`world_size` processes, save it
+    in the legacy layout (``root/iter_0000010/mp_rank_TT[_EEE]/model_optim_rng.pt``, the
+    files Megatron-LM's writers write); return its logits."""
+    M._spawn(_save_moe_worker, world_size(tp, ep, etp), m, tp, ep, etp, str(root))
     return torch.load(root.parent / f"{root.name}.logits.pt")
 
 
-def load_moe_logits(m: dict, tp: int, ep: int, root: Path) -> torch.Tensor:
-    """Load a legacy MoE checkpoint into real mcore models at TP=tp, EP=ep; return logits."""
+def load_moe_logits(m: dict, tp: int, ep: int, root: Path, etp: int | None = None) -> torch.Tensor:
+    """Load a legacy MoE checkpoint into real mcore models at TP=tp, EP=ep, ETP=etp (each
+    rank its own file, strictly); return logits."""
     out = root.parent / f"{root.name}.loaded-logits.pt"
-    M._spawn(_load_moe_worker, tp * ep, m, tp, ep, str(root), str(out))
+    M._spawn(_load_moe_worker, world_size(tp, ep, etp), m, tp, ep, etp, str(root), str(out))
     return torch.load(out)
 
 
@@ -225,13 +243,13 @@ def _step(model, opt, m: dict, step: int) -> float:
 
 
 def _train_save_moe_worker(rank, m, tp, ep, root, port):
-    ps = _init(rank, tp, ep, port)
+    ps = _init(rank, tp, ep, None, port)
     model = _randomized_model(ps, m, tp, ep)
     _average_expert_grads(ps, model)
     opt = M._optimizer(model)  # expert params are their own group(s) at EP > 1, kept in it
     for step in range(2):
         _step(model, opt, m, step)
-    if ps.get_expert_data_parallel_rank() == 0:  # one writer per (tp, pp, ep)
+    if _writes_legacy(ps):
         f = _rank_file(ps, root, ep, 2)
         f.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"args": moe_args(m, tp, 1, ep), "iteration": 2, "checkpoint_version": 3.0,
@@ -248,9 +266,9 @@ def _train_save_moe_worker(rank, m, tp, ep, root, port):
 
 
 def _resume_moe_worker(rank, m, tp, ep, root, out, port):
-    ps = _init(rank, tp, ep, port)
+    ps = _init(rank, tp, ep, None, port)
     model = _model(m, tp, ep)
-    state = _load_rank_state(ps, model, tp, ep, root)
+    state = _load_rank_state(ps, model, tp, ep, None, root)
     _average_expert_grads(ps, model)
     opt = M._optimizer(model)
     opt.load_state_dict(state["optimizer"])
@@ -282,32 +300,32 @@ def resume_one_step_moe(m: dict, tp: int, ep: int, root: Path) -> dict:
 # ---------------------------------------------------------------- torch_dist
 
 
-def _save_moe_dist_worker(rank, m, tp, ep, root, port):
+def _save_moe_dist_worker(rank, m, tp, ep, etp, root, port):
     """The model of _save_moe_worker, saved by Megatron-Core's own dist_checkpointing."""
-    ps = _init(rank, tp, ep, port)
+    ps = _init(rank, tp, ep, etp, port)
     torch.cuda.synchronize = lambda *a, **k: None
     from megatron.core import dist_checkpointing
 
-    model = _randomized_model(ps, m, tp, ep)
+    model = _randomized_model(ps, m, tp, ep, etp)
     it = Path(root) / f"iter_{ITERATION:07d}"
     if rank == 0:
         it.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save({"model": model.sharded_state_dict(), "args": moe_args(m, tp, 1, ep),
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "args": moe_args(m, tp, 1, ep, etp),
                              "iteration": ITERATION, "checkpoint_version": 3.0}, str(it))
     if rank == 0:
         (Path(root) / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     _save_logits(ps, model, m, tp, rank, Path(root).parent / f"{Path(root).name}.logits.pt")
 
 
-def _load_moe_dist_worker(rank, m, tp, ep, root, out, port):
-    """Megatron-Core's own dist_checkpointing.load at TP=tp, EP=ep (any TP and EP: it
+def _load_moe_dist_worker(rank, m, tp, ep, etp, root, out, port):
+    """Megatron-Core's own dist_checkpointing.load at TP=tp, EP=ep, ETP=etp (any: it
     reshards itself), then a forward."""
-    ps = _init(rank, tp, ep, port)
+    ps = _init(rank, tp, ep, etp, port)
     torch.cuda.synchronize = lambda *a, **k: None
     from megatron.core import dist_checkpointing
 
-    model = _model(m, tp, ep)
+    model = _model(m, tp, ep, etp)
     tracker = (Path(root) / "latest_checkpointed_iteration.txt").read_text().strip()
     it = Path(root) / f"iter_{int(tracker):07d}"
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(it))
@@ -318,17 +336,17 @@ def _load_moe_dist_worker(rank, m, tp, ep, root, out, port):
     _save_logits(ps, model, m, tp, rank, out)
 
 
-def save_moe_dist(m: dict, tp: int, ep: int, root: Path) -> torch.Tensor:
+def save_moe_dist(m: dict, tp: int, ep: int, root: Path, etp: int | None = None) -> torch.Tensor:
     """Save the MoE model of :func:`save_moe` at TP=tp, EP=ep as a real Megatron-Core
     ``torch_dist`` checkpoint (``root/iter_0000010``, ``common.pt`` with the args, the
     tracker); return its logits."""
-    M._spawn(_save_moe_dist_worker, tp * ep, m, tp, ep, str(root))
+    M._spawn(_save_moe_dist_worker, world_size(tp, ep, etp), m, tp, ep, etp, str(root))
     return torch.load(root.parent / f"{root.name}.logits.pt")
 
 
-def load_moe_dist_logits(m: dict, tp: int, ep: int, root: Path) -> torch.Tensor:
+def load_moe_dist_logits(m: dict, tp: int, ep: int, root: Path, etp: int | None = None) -> torch.Tensor:
     """Load a ``torch_dist`` MoE checkpoint with ``dist_checkpointing.load`` into real mcore
-    models at TP=tp, EP=ep; return logits."""
+    models at TP=tp, EP=ep, ETP=etp; return logits."""
     out = root.parent / f"{root.name}.dist-logits.pt"
-    M._spawn(_load_moe_dist_worker, tp * ep, m, tp, ep, str(root), str(out))
+    M._spawn(_load_moe_dist_worker, world_size(tp, ep, etp), m, tp, ep, etp, str(root), str(out))
     return torch.load(out)
