@@ -397,3 +397,46 @@ def test_args_that_claim_more_experts_than_the_files_hold_are_refused(ep2, tmp_p
     torch.save(state, f)
     r = run_cli("inspect", bad)
     assert r.code == 1 and "experts args name" in r.err and "Traceback" not in r.err, r.err
+
+
+# ------------------------------------------------------------------ the training hook
+
+
+@pytest.fixture(scope="module")
+def hook_ep2(tmp_path_factory):
+    """A real MoE run at TP1/EP2 saved through the training hook after 2 Adam steps."""
+    root = tmp_path_factory.mktemp("moe_hook") / "run"
+    return root, M.hook_train_save_moe(M.MOE, 1, 2, root)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_the_hook_saves_experts_at_ep2_and_resumes_at_another_ep(hook_ep2, ep):
+    """training.megatron.sharded_state describes an EP rank's experts by the layout rule, so
+    the run resumes at EP1/EP4 through load_latest: rank 0's expert moments hold the saved
+    experts' (rank 0 holds experts 0..E/EP-1 at any EP), and the next loss is the
+    uninterrupted run's."""
+    root, after = hook_ep2
+    resumed = M.hook_resume_moe(M.MOE, 1, ep, root)
+    assert resumed["step"] == 2
+    assert abs(resumed["loss"] - after["loss"]) / abs(after["loss"]) < 1e-5
+    experts = [k for k in after["state"] if ".local_experts." in k]
+    assert experts and any(".local_experts.1." in k for k in experts)
+    shared = [k for k in experts if k in resumed["state"]]
+    assert shared, "rank 0 holds expert 0 at any EP"
+    for k in shared:
+        assert torch.equal(resumed["state"][k], after["state"][k]), k
+
+
+def test_the_hooks_moe_checkpoint_converts_offline(hook_ep2, tmp_path, run_cli):
+    """ckptool convert reads the hook's MoE checkpoint (per-expert keys) like any other: to
+    Megatron at EP4, loaded strictly by mcore with the saved model's logits. (The hook's
+    optimizer state converts to Megatron only with #19: one step per parameter.)"""
+    root, after = hook_ep2
+    latest = run_cli("latest", root)
+    assert latest.code == 0, latest.err
+    assert run_cli("verify", "--deep", latest.out.strip()).code == 0
+    dst = tmp_path / "meg"
+    r = run_cli("convert", latest.out.strip(), dst, "--to", "megatron", "--tp", 1, "--ep", 4, "--dp", 4,
+                "--drop-optimizer")
+    assert r.code == 0, r.err
+    assert_close(M.load_moe_logits(M.MOE, 1, 4, dst), after["logits"])

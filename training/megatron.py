@@ -8,6 +8,12 @@ the same rules the offline reader, writer and reshard use (grouped QKV, SwiGLU
 checkpoint keys are the canonical global names, so a checkpoint saved at TP2/PP2 loads at
 TP1/PP4 or converts offline with ``ckptool convert``.
 
+Mixture-of-Experts ranks: the local experts ``...mlp.experts.local_experts.{j}`` of EP rank
+e are the global experts ``e·E/EP + j`` of the stacked tensors
+``...mlp.experts.experts.linear_fc1.weight`` ``[E, ...]`` (split inside by the rank's expert TP
+rank), by the same rule, so a job saved at EP2 resumes at EP1 or EP4. A rank's EP and
+expert-DP ranks follow from its TP and DP ranks (:func:`ckptool.core.layout.expert_ranks`).
+
 Adam state (``exp_avg``, ``exp_avg_sq``, ``step``) of a ``torch.optim.Adam``/``AdamW`` over
 the same parameters goes under ``optimizer.state.<kind>.<key>``, the names the Megatron
 converters use, so it reshards with the weights.
@@ -20,7 +26,7 @@ from typing import Iterable, Mapping
 import torch
 
 from ckptool.core.errors import UsageError
-from ckptool.core.layout import ModelSpec, layout
+from ckptool.core.layout import ModelSpec, expert_name, expert_of, expert_ranks, layout
 from ckptool.core.optimizer import state_key, state_shard
 from ckptool.core.regions import Region, Shard
 from ckptool.core.topology import Topology
@@ -31,20 +37,28 @@ ADAM_KINDS = ("exp_avg", "exp_avg_sq")
 
 
 def sharded_state(model, spec: ModelSpec, topo: Topology, *, tp_rank: int, pp_rank: int,
-                  dp_rank: int = 0, optimizer: torch.optim.Optimizer | None = None,
+                  dp_rank: int = 0, ep_rank: int | None = None,
+                  optimizer: torch.optim.Optimizer | None = None,
                   schema: str | None = None) -> dict:
     """``{"model": {key: Sharded}, "optimizer": {key: Sharded}}`` for this rank.
 
     ``model`` is a module, a list of modules (virtual pipeline chunks), or a mapping of
     local names to tensors. ``schema`` is the naming (``mcore-local``, ``mcore-te``,
-    ``legacy``); by default it is inferred from the names.
+    ``legacy``); by default it is inferred from the names. ``ep_rank`` (MoE), when given,
+    is checked against the one Megatron-Core's rank order gives this TP and DP rank.
     """
     chunks = _named_chunks(model)
     names = [n for chunk in chunks for n in chunk]
     schema = schema or detect_schema(names)
     if schema not in SCHEMAS:
         raise UsageError(f"unknown Megatron naming {schema!r}", hint=f"Use one of {', '.join(SCHEMAS)}")
-    rank = layout(spec, topo)[pp_rank * topo.tp + tp_rank]
+    _, derived_ep, expert_dp_rank = expert_ranks(topo, tp_rank, dp_rank)
+    if ep_rank is not None and ep_rank != derived_ep:
+        raise UsageError(f"TP rank {tp_rank} / DP rank {dp_rank} of {topo} is EP rank {derived_ep} in "
+                         f"Megatron-Core's rank order (tp-cp-ep-dp-pp), not {ep_rank}",
+                         hint="ckptool lays out the default order only")
+    rank = next(r for r in layout(spec, topo)
+                if (r.pp_rank, r.tp_rank, r.ep_rank) == (pp_rank, tp_rank, derived_ep))
     expected = {(t.chunk, t.name): t for t in rank.tensors}
     tied = spec.tied_embeddings and pp_rank == topo.pp - 1 and pp_rank > 0
 
@@ -60,14 +74,20 @@ def sharded_state(model, spec: ModelSpec, topo: Topology, *, tp_rank: int, pp_ra
                                  f"{pp_rank} / TP rank {tp_rank} of {topo}",
                                  hint="Check the ModelSpec and Topology given to sharded_state")
             seen.add((c, canonical))
-            replica = local.replica or dp_rank > 0
-            key = local.shard.regions[0].key if local.shard.parts else canonical
+            region_key = local.shard.regions[0].key if local.shard.parts else canonical
+            expert = local_expert(local)
+            if expert is None:
+                replica, key = local.replica or dp_rank > 0, region_key
+                step_replica = replica or tp_rank > 0
+            else:  # one entry per expert; the layer's experts share one step (written once)
+                replica, key = local.replica or expert_dp_rank > 0, expert_name(region_key, expert)
+                step_replica = replica or expert > 0 or tp_rank > 0
             entry = Sharded(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor,
                             local.shard, replica)
             model_state[key] = entry
             if optimizer is not None:
                 optim_state.update(_adam_state(optimizer, tensor, key, local.shard, replica,
-                                               tp_rank))
+                                               region_key, step_replica))
     missing = [f"{n} (chunk {c})" for (c, n) in expected if (c, n) not in seen]
     if missing:
         raise UsageError(f"the model lacks {len(missing)} tensors the layout expects, e.g. "
@@ -85,10 +105,19 @@ def _named_chunks(model) -> list[Mapping[str, torch.Tensor]]:
     return [dict(m.named_parameters()) for m in modules]
 
 
+def local_expert(t) -> int | None:
+    """The global expert a layout tensor holds (a stacked expert tensor's region), or None."""
+    parts = t.shard.parts
+    if not parts or expert_of(t.name) is None:
+        return None
+    return parts[0][1].offsets[0]
+
+
 def _adam_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str, shard: Shard,
-                replica: bool, tp_rank: int) -> dict[str, Sharded]:
+                replica: bool, step_key: str, step_replica: bool) -> dict[str, Sharded]:
     """The Adam moments and step of ``param``, created (zero) if the optimizer has not
-    stepped yet, so that a load can fill them in place."""
+    stepped yet, so that a load can fill them in place. The step is the global tensor
+    ``optimizer.state.step.<step_key>``: one per parameter, whatever its TP shards."""
     state = optimizer.state[param]
     if not state:
         state["step"] = torch.zeros((), dtype=torch.float32)
@@ -100,9 +129,8 @@ def _adam_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str,
     step = state["step"]
     if not isinstance(step, torch.Tensor):
         step = state["step"] = torch.tensor(float(step))
-    # One copy per parameter: the TP shards of a parameter share one step.
-    out[state_key("step", key)] = Sharded(step, Shard.of(Region.whole(state_key("step", key), ())),
-                                          replica or tp_rank > 0)
+    out[state_key("step", key)] = Sharded(step, Shard.of(Region.whole(state_key("step", step_key), ())),
+                                          step_replica)
     return out
 
 

@@ -384,6 +384,14 @@ def expert_tp_rank(topo: Topology, tp_rank: int) -> int:
     return tp_rank % topo.expert_tp
 
 
+def expert_ranks(topo: Topology, tp_rank: int, dp_rank: int) -> tuple[int, int, int]:
+    """(expert TP rank, EP rank, expert-DP rank) of the rank at TP rank ``tp_rank``, DP rank
+    ``dp_rank`` of a pipeline stage, in Megatron-Core's default order (``tp-cp-ep-dp-pp``,
+    CP = 1): the stage's rank ``dp_rank·TP + tp_rank`` counted as ``etp + ETP·(ep + EP·edp)``."""
+    r, etp = dp_rank * topo.tp + tp_rank, topo.expert_tp
+    return r % etp, (r // etp) % topo.ep, r // (etp * topo.ep)
+
+
 def split(param: Param, tp_rank: int, tp: int, padded_rows: int | None = None,
           expert: int | None = None) -> Shard:
     """The shard of ``param`` that TP rank ``tp_rank`` of ``tp`` holds, per its rule; for an

@@ -350,3 +350,84 @@ def load_moe_dist_logits(m: dict, tp: int, ep: int, root: Path, etp: int | None 
     out = root.parent / f"{root.name}.dist-logits.pt"
     M._spawn(_load_moe_dist_worker, world_size(tp, ep, etp), m, tp, ep, etp, str(root), str(out))
     return torch.load(out)
+
+
+# ---------------------------------------------------------------- the training hook
+
+
+def _hook_state(ps, model, opt, m: dict, tp: int, ep: int):
+    """(the spec, the topology, this rank's hook state) of the MoE run at (tp, ep): its
+    parameters and Adam state described by ``training.megatron.sharded_state``."""
+    # Imported here on purpose: the fork server preloads this module (conftest.PRELOAD), and
+    # these import fsspec, which reads its FSSPEC_* configuration once, at import.
+    from converters.schemas.megatron_args import spec_from_args
+    from training.megatron import sharded_state
+
+    spec, topo, _ = spec_from_args(moe_args(m, tp, 1, ep))
+    state = sharded_state(model, spec, topo, tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=0,
+                          dp_rank=ps.get_data_parallel_rank(), ep_rank=ps.get_expert_model_parallel_rank(),
+                          optimizer=opt)
+    return spec, topo, state
+
+
+def _checkpointer(root, spec, topo, m: dict):
+    from dataclasses import asdict
+
+    from training import AsyncCheckpointer
+
+    return AsyncCheckpointer(str(root), topology=topo.to_dict(), model_config=asdict(spec),
+                             true_vocab_size=m["vocab_size"])
+
+
+def _hook_train_save_worker(rank, m, tp, ep, root, port):
+    ps = _init(rank, tp, ep, None, port)
+    model = _randomized_model(ps, m, tp, ep)
+    _average_expert_grads(ps, model)
+    opt = M._optimizer(model)
+    for step in range(2):
+        _step(model, opt, m, step)
+    spec, topo, state = _hook_state(ps, model, opt, m, tp, ep)
+    ckpt = _checkpointer(root, spec, topo, m)
+    ckpt.save(2, state)
+    saved = {k: v.local.clone() for k, v in state["optimizer"].items()}
+    ckpt.wait()
+    logits = M._forward(ps, model, m, tp, 1)
+    loss = _step(model, opt, m, 2)  # the uninterrupted run goes on
+    if rank == 0:
+        torch.save({"loss": loss, "state": saved, "logits": logits},
+                   Path(root).parent / f"{Path(root).name}.after.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _hook_resume_worker(rank, m, tp, ep, root, out, port):
+    ps = _init(rank, tp, ep, None, port)
+    torch.manual_seed(99)  # not the saved weights: the load must fill every one
+    model = _model(m, tp, ep)
+    _average_expert_grads(ps, model)
+    opt = M._optimizer(model)
+    spec, topo, state = _hook_state(ps, model, opt, m, tp, ep)
+    step = _checkpointer(root, spec, topo, m).load_latest(state)
+    loaded = {k: v.local.clone() for k, v in state["optimizer"].items()}
+    loss = _step(model, opt, m, 2)
+    if rank == 0:
+        torch.save({"step": step, "loss": loss, "state": loaded}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def hook_train_save_moe(m: dict, tp: int, ep: int, root: Path) -> dict:
+    """Train the MoE model 2 steps at TP=tp, EP=ep (as :func:`train_and_save_moe`), save it
+    through the training hook (``AsyncCheckpointer`` at step 2), take one more step; that
+    step's loss, rank 0's optimizer state as saved and the saved model's logits."""
+    M._spawn(_hook_train_save_worker, tp * ep, m, tp, ep, str(root))
+    return torch.load(root.parent / f"{root.name}.after.pt")
+
+
+def hook_resume_moe(m: dict, tp: int, ep: int, root: Path) -> dict:
+    """Build the MoE model at TP=tp, EP=ep from another seed, ``load_latest`` the hook's
+    checkpoint into it and its optimizer, and take the next step: the loaded step, that
+    step's loss, and rank 0's optimizer state as loaded."""
+    out = root.parent / f"{root.name}.hook-resumed.pt"
+    M._spawn(_hook_resume_worker, tp * ep, m, tp, ep, str(root), str(out))
+    return torch.load(out)
