@@ -236,6 +236,10 @@ CASES = [
         c, lambda m: m["files"][0].update(path="../outside/x")), "leaves the checkpoint"),
     Case("manifest-entry-size", "sealed", lambda c: _edit_manifest(
         c, lambda m: m["files"][0].update(size=-1)), "has size -1"),
+    Case("manifest-model-config-unknown", "sealed", lambda c: _edit_manifest(
+        c, lambda m: m.update(model_config={"num_layers": 2, "hidden_size": 8, "num_attention_heads": 2,
+                                            "vocab_size": 10, "__class__": "os.system"})),
+         "model_config has fields ckptool does not know: __class__"),
     Case("manifest-entry-hash", "sealed", lambda c: _edit_manifest(
         c, lambda m: m["files"][0].update(xxh3_128="abc")), "has no xxh3-128 hash"),
     # ---- pointers to what is not there

@@ -33,7 +33,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from ckptool.core.errors import TopologyError
+from ckptool.core.errors import BadCheckpoint, TopologyError
 from ckptool.core.regions import Region, Shard
 from ckptool.core.topology import Topology
 
@@ -166,6 +166,20 @@ class ModelSpec:
 
     def padded_vocab(self, tp: int) -> int:
         return padded_vocab(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+
+def spec_from_config(config: dict, where: str | None = None) -> ModelSpec:
+    """The :class:`ModelSpec` a stored ``model_config`` (a manifest's) describes; a config with
+    fields no ModelSpec has, or without the required ones, is a bad checkpoint naming them."""
+    fields = ModelSpec.__dataclass_fields__
+    unknown = sorted(k for k in config if k not in fields)
+    if unknown:
+        raise BadCheckpoint(f"model_config has fields ckptool does not know: {', '.join(map(str, unknown[:5]))}",
+                            path=where, hint="Was it written by a newer ckptool? Upgrade ckptool")
+    try:
+        return ModelSpec(**config)
+    except (TypeError, ValueError) as exc:
+        raise BadCheckpoint(f"model_config does not describe a model: {exc}", path=where) from None
 
 
 def padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
