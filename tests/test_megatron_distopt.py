@@ -156,7 +156,7 @@ def _wrong_size(state):
 @pytest.mark.parametrize("edit,message", [
     (dict(edit_args=_forget_bucketing), "Megatron args lack overlap_grad_reduce, which decides the "
      "bucket boundaries of distrib_optim.pt, and with parameter sizes that are not multiples of 64"),
-    (dict(edit_file=_expert_parallel), "distrib_optim.pt holds the states of several optimizers"),
+    (dict(edit_file=_expert_parallel), "holds the states of several optimizers, but the args say EP1"),
     (dict(edit_file=_pre_2024), "distrib_optim.pt is in the pre-2024 per-bucket format"),
     (dict(edit_file=_wrong_size), "grad buffer 0 of distrib_optim.pt holds 52000 elements, "
      "Megatron's layout rule gives 51936"),

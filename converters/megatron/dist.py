@@ -34,7 +34,7 @@ from ckptool.core import torchfile
 from ckptool.core.dcpfile import METADATA, DcpContainerReader
 from ckptool.core.dcpwrite import DcpFileWriter, RecordedFiles, write_metadata
 from ckptool.core.engine import TargetFile, TargetTensor
-from ckptool.core.errors import BadCheckpoint, UnsupportedFormat
+from ckptool.core.errors import BadCheckpoint, UnsupportedFormat, UsageError
 from ckptool.core.index import CheckpointIndex, Piece, TensorInfo, Writer
 from ckptool.core.layout import VOCAB, ModelSpec, layout
 from ckptool.core.regions import Shard
@@ -214,6 +214,10 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         self._optimizer = optimizer if optimizer else \
             self._from_deepspeed.layout if self._from_deepspeed else None
         self._distributed = index.layout(distopt.Meta) if with_optimizer else None
+        if self._distributed is not None and spec.num_experts and (topo.ep > 1 or self._distributed.expert_state):
+            raise UsageError("a distributed optimizer with experts at EP > 1 (Megatron's ChainedOptimizer) "
+                             "is not written as torch_dist yet", path=index.url,
+                             hint="Convert --to megatron (legacy distrib_optim.pt), or pass --drop-optimizer")
         kinds = optim.state_kinds(self._optimizer) if self._optimizer else ()
         state_name = canon.state_key
         if self._distributed is not None:  # every parameter has an fp32 master

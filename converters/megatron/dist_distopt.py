@@ -86,6 +86,10 @@ def read(value: dict, index: CheckpointIndex, source: str, read_object) -> None:
         raise UnreadableInput("common.pt has no Megatron args to lay out the distributed "
                               "optimizer's buffers by", path=source)
     args, spec = args.value, ModelSpec(**index.model_config)
+    if spec.num_experts and index.topology.ep > 1:
+        raise UnreadableInput("a torch_dist distributed optimizer with experts at EP > 1 (Megatron's "
+                              "ChainedOptimizer of dense and expert optimizers) is not read yet; the "
+                              "legacy distrib_optim.pt form is", path=source)
     if sharding == FULLY_RESHARDABLE:
         state, grads = _read_model_shaped(value, index, spec, args, source), _grad_dtype(args)
         keys = {d: (d, grads or d) for d in {i.dtype for k, i in index.tensors.items()

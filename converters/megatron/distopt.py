@@ -29,8 +29,16 @@ from Megatron's buffer rule (``_ParamAndGradBuffer``), in file coordinates:
 
 ``numel_unpadded`` checks the result. The Adam step and the param groups are in
 ``model_optim_rng.pt["optimizer"]`` (``DistributedOptimizer.state_dict()``). What the rule
-cannot fix (missing args, a size that does not add up, expert-parallel or pre-2024 files)
-is refused with the reason, never mapped by guess.
+cannot fix (missing args, a size that does not add up, pre-2024 files) is refused with
+the reason, never mapped by guess.
+
+Mixture of Experts at EP > 1: the experts (``allreduce=False``) have grad buffers of their
+own, sharded over the expert-data-parallel group, and a DistributedOptimizer of their own
+in a ``ChainedOptimizer`` [dense, expert]. ``distrib_optim.pt`` is then the list of the two
+states, each in the form above over its own parameters (same bucket size), ``None`` where
+the writing rank is not DP rank 0 of that group (the dense state lives in the EP rank 0
+directories); ``model_optim_rng.pt["optimizer"]`` is the list of the two state dicts. At
+EP1 the experts are ordinary parameters of the one buffer.
 """
 
 from __future__ import annotations
@@ -92,6 +100,8 @@ class Meta:
     """``model_optim_rng.pt["optimizer"]``: param groups (with the step), grad scaler."""
     sharding: str | None = None
     """The ``torch_dist`` source's ``param_state_sharding_type``; None for ``distrib_optim.pt``."""
+    expert_state: dict | None = None
+    """The expert DistributedOptimizer's state dict of an EP > 1 source (ChainedOptimizer)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,12 +233,60 @@ def layout(chunks: list[list[Param]], args: Any, dp: int, pp_rank: int) -> list[
     return buffers
 
 
+GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+"""How Megatron-Core's DistributedOptimizer.load_state_dict matches a stored param group to
+its own (``param_group_identifier_keys``)."""
+
+
+def optimizers(obj: Any, expert_parallel: bool, source: str) -> list:
+    """The optimizer states a ``distrib_optim.pt`` (or a ``model_optim_rng.pt["optimizer"]``)
+    holds: ``[the one]``, or at EP > 1 ``[dense, expert]`` (either may be None in a file)."""
+    if not expert_parallel:
+        if isinstance(obj, list):
+            raise UnreadableInput("the distributed optimizer holds the states of several "
+                                  "optimizers, but the args say EP1", path=source)
+        return [obj]
+    if not (isinstance(obj, list) and len(obj) == 2):
+        raise UnreadableInput("at EP > 1 Megatron's ChainedOptimizer stores a list of two "
+                              "optimizer states (dense, expert); this is not one", path=source)
+    return obj
+
+
+def split_experts(chunks: list[list[Param]], is_expert: Callable[[str], bool]) -> list[list[list[Param]]]:
+    """``[dense chunks, expert chunks]``: the parameters of each of the two grad buffer sets
+    at EP > 1, each chunk's in named_parameters() order."""
+    return [[[p for p in chunk if is_expert(p.name) == flag] for chunk in chunks] for flag in (False, True)]
+
+
+def target_state(meta: Meta, expert_parallel: bool) -> Any:
+    """``model_optim_rng.pt["optimizer"]`` for a target with or without expert parallelism.
+    Megatron-Core finds each of its param groups in the stored ones by :data:`GROUP_KEYS`, so
+    a target optimizer gets the source's groups plus, for every identity it may ask for that
+    the source lacks (the experts joining or leaving the expert-parallel group), a copy of
+    the matching group of the other side (the same hyperparameters and step)."""
+    dense = meta.state
+    expert = meta.expert_state
+    if not expert_parallel:
+        return dense if expert is None else _with_groups(dense, expert, False)
+    return [_with_groups(dense, expert, False) if expert is not None else dense,
+            _with_groups(expert if expert is not None else dense, dense, True)]
+
+
+def _with_groups(state: dict, other: dict | None, expert: bool) -> dict:
+    """``state`` with its groups marked ``is_expert_parallel=expert``, plus (so marked)
+    ``other``'s groups of identities ``state`` lacks."""
+    groups, have = [], set()
+    for g in [*state["optimizer"]["param_groups"], *(other["optimizer"]["param_groups"] if other else [])]:
+        g = {**g, "is_expert_parallel": expert}
+        ident = tuple(g.get(k) for k in GROUP_KEYS)
+        if ident not in have:
+            have.add(ident)
+            groups.append(g)
+    return {**state, "optimizer": {**state["optimizer"], "param_groups": groups}}
+
+
 def check_file(obj: Any, buffers: list[Buffer], source: str) -> list[tuple]:
     """The file's key of each buffer, after checking the file against ``buffers``."""
-    if isinstance(obj, list):
-        raise UnreadableInput("distrib_optim.pt holds the states of several optimizers "
-                              "(expert-parallel / MoE), which ckptool does not map yet",
-                              path=source)
     if not isinstance(obj, dict):
         raise UnreadableInput("distrib_optim.pt does not hold a distributed optimizer state",
                               path=source)
@@ -281,7 +339,8 @@ def check_state(optimizer: Any, source: str) -> dict:
 
 def build(buffers: list[Buffer], keys: dict[torch.dtype, tuple],
           tensor: Callable[[int, str], Any]) -> dict:
-    """The object tree of a distrib_optim.pt; ``tensor(buffer, file_key)`` gives each vector."""
+    """The object tree of one optimizer's state in a distrib_optim.pt; ``tensor(buffer,
+    file_key)`` gives each vector."""
     out: dict = {"buckets_coalesced": True}
     for i, buffer in enumerate(buffers):
         state = {name: tensor(i, name) for name in FILE_KEYS.values()}

@@ -274,8 +274,6 @@ class MegatronReader(TorchFileReader):
         index.files[rel] = 1
         args = index.objects["args"].value
         spec = ModelSpec(**index.model_config)
-        if spec.num_experts:  # expert parameters live in buffers of their own (expert-DP group)
-            raise UnreadableInput("a distributed optimizer with experts is not read yet", path=source)
         schema = index.layout(Names).schema
         entries = [(uname.split("/", 1)[0], uname, canonical, math.prod(shape), dtype)
                    for uname, (canonical, _, shape, dtype, _) in mapped.items()]  # the file's order
@@ -285,19 +283,36 @@ class MegatronReader(TorchFileReader):
                 raise UnreadableInput(f"the parameters of {chunk_key} are not in the order of "
                                       "Megatron's named_parameters() that ckptool knows, which "
                                       "distrib_optim.pt follows", path=source)
+        chained = _chained(spec, topo)  # [dense, expert] optimizers
+        files = distopt.optimizers(archive.obj, chained, source)
+        states = [distopt.check_state(s, store.display(f.rel))
+                  for s in distopt.optimizers(data.get("optimizer"), chained, store.display(f.rel))]
         chunks = distopt.chunk_params(entries, spec.tied_embeddings, topo.pp)
-        buffers = distopt.layout(chunks, args, topo.dp, f.pp)
-        keys = distopt.check_file(archive.obj, buffers, source)
-        state = distopt.check_state(data.get("optimizer"), store.display(f.rel))
-        for i, (buffer, key) in enumerate(zip(buffers, keys)):
-            for uname, offset in buffer.offsets.items():
-                canonical, replica, _, _, _ = mapped[uname]
-                for kind, file_key in distopt.FILE_KEYS.items():
-                    path = (i, key, file_key)
-                    _add_piece(index, params, canonical, replica, f, path, _resolve(archive.obj, path),
-                               padded, topo, store, key=canon.state_key(kind, canonical),
-                               file=rel, base=offset)
-        meta = distopt.Meta({k[0]: k for k in keys}, self._load(store, f.rel).materialize(state))
+        groups = distopt.split_experts(chunks, lambda u: mapped[u][4] is not None) if chained else [chunks]
+        keys = []
+        for s, (obj, group) in enumerate(zip(files, groups)):
+            if obj is None:  # another rank's file holds it (not DP rank 0 of that group here)
+                held = [u for chunk in group for u in (p.name for p in chunk) if not mapped[u][1]]
+                if held:
+                    raise UnreadableInput(f"distrib_optim.pt holds no {'expert' if s else 'dense'} "
+                                          f"optimizer state, and no other rank file holds that of {held[0]}",
+                                          path=source)
+                continue
+            buffers = distopt.layout(group, args, topo.dp, f.pp)
+            found = distopt.check_file(obj, buffers, source)
+            keys += found
+            prefix = (s,) if chained else ()
+            for i, (buffer, key) in enumerate(zip(buffers, found)):
+                for uname, offset in buffer.offsets.items():
+                    canonical, replica, _, _, expert = mapped[uname]
+                    for kind, file_key in distopt.FILE_KEYS.items():
+                        path = (*prefix, i, key, file_key)
+                        _add_piece(index, params, canonical, replica, f, path, _resolve(archive.obj, path),
+                                   padded, topo, store, key=canon.state_key(kind, canonical),
+                                   file=rel, base=offset, expert=expert)
+        materialize = self._load(store, f.rel).materialize
+        meta = distopt.Meta({k[0]: k for k in keys}, materialize(states[0]),
+                            expert_state=materialize(states[1]) if chained else None)
         saved = index.layout(distopt.Meta)
         if saved is None:
             index.set_layout(meta)
@@ -448,10 +463,12 @@ class RankFile:
 
 @dataclass(frozen=True, slots=True)
 class DistoptFile:
-    """``distrib_optim.pt`` of one rank: its buffers, keyed as the source keys them."""
+    """``distrib_optim.pt`` of one rank: its buffers (of each optimizer: one, or at EP > 1
+    dense and expert), keyed as the source keys them."""
 
     buffers: list
     keys: Any
+    chained: bool = False
 
 
 class MegatronWriter(UnevenStages, Writer):
@@ -509,7 +526,8 @@ class MegatronWriter(UnevenStages, Writer):
                                 context=RankFile(
                                     rank.tp, rank.pp, schema, spec, topo, optim_layout,
                                     self._from_deepspeed.scheduler if self._from_deepspeed else None,
-                                    distributed.state if distributed else None))
+                                    distopt.target_state(distributed, _chained(spec, topo))
+                                    if distributed else None))
             named = rank.named()
             for chunk, name, t in named:
                 chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
@@ -521,7 +539,7 @@ class MegatronWriter(UnevenStages, Writer):
                 target.tensors.append(TargetTensor((chunk_key, name), t.shard, source_dtype(index, _key(t))))
             if distributed is not None:
                 files.append(self._distopt_file(f"{rank_path}/{DISTRIB_OPTIM}", index, rank,
-                                                distributed, topo))
+                                                distributed, topo, _chained(spec, topo)))
             if optim_layout is not None:
                 for chunk, name, t in named:
                     chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
@@ -534,16 +552,19 @@ class MegatronWriter(UnevenStages, Writer):
         return files
 
     def _distopt_file(self, path: str, index: CheckpointIndex, rank: distopt.RankParams,
-                      meta: distopt.Meta, topo: Topology) -> TargetFile:
+                      meta: distopt.Meta, topo: Topology, chained: bool) -> TargetFile:
         """The distrib_optim.pt of one target rank: the source's optimizer vectors, laid out
         by Megatron's buffer rule for the target's parameters; the gaps between parameters
         are zeros, as Megatron's."""
         args = index.objects["args"].value
+        groups = distopt.split_experts(rank.chunks, lambda u: expert_of(rank.tensors[u].name) is not None) \
+            if chained else [rank.chunks]
         try:
-            buffers = distopt.layout(rank.chunks, args, topo.dp, rank.pp)
+            subs = [distopt.layout(group, args, topo.dp, rank.pp) for group in groups]
         except UnreadableInput as exc:
             raise UsageError(f"cannot lay out distrib_optim.pt for the target: {exc.message}",
                              path=index.url, hint=distopt.HINT) from None
+        buffers = [b for sub in subs for b in sub]
         unknown = sorted(str(b.dtype) for b in buffers if b.dtype not in meta.keys)
         if unknown:
             raise UsageError(f"the source's distrib_optim.pt has no grad buffer of {unknown} "
@@ -557,15 +578,16 @@ class MegatronWriter(UnevenStages, Writer):
                 f"{getattr(args, 'overlap_grad_reduce', None)}, ddp_bucket_size="
                 f"{getattr(args, 'ddp_bucket_size', None)}, DP{topo.dp}): resume with the same "
                 "settings, Megatron checks only the total size")
-        target = TargetFile(path, context=DistoptFile(buffers, meta.keys))
-        for i, buffer in enumerate(buffers):
-            for kind, file_key in distopt.FILE_KEYS.items():
-                parts = sorted(((offset + off, replace(r, key=canon.state_key(kind, r.key)))
-                                for uname, offset in buffer.offsets.items()
-                                for off, r in rank.tensors[uname].shard.parts), key=lambda x: x[0])
-                target.tensors.append(TargetTensor((DISTOPT_PATH, i, file_key),
-                                                   Shard((buffer.numel_unpadded,), tuple(parts)),
-                                                   torch.float32))
+        target = TargetFile(path, context=DistoptFile(subs, meta.keys, chained))
+        for s, sub in enumerate(subs):
+            for i, buffer in enumerate(sub):
+                for kind, file_key in distopt.FILE_KEYS.items():
+                    parts = sorted(((offset + off, replace(r, key=canon.state_key(kind, r.key)))
+                                    for uname, offset in buffer.offsets.items()
+                                    for off, r in rank.tensors[uname].shard.parts), key=lambda x: x[0])
+                    target.tensors.append(TargetTensor((DISTOPT_PATH, *((s,) if chained else ()), i, file_key),
+                                                       Shard((buffer.numel_unpadded,), tuple(parts)),
+                                                       torch.float32))
         return target
 
     def write_file(self, store: Store, target: TargetFile, produce, index: CheckpointIndex,
@@ -575,11 +597,15 @@ class MegatronWriter(UnevenStages, Writer):
         if isinstance(ctx, DistoptFile):
             shapes = {t.name: t.shard.shape for t in target.tensors}
 
-            def vector(i, key):
-                name = (DISTOPT_PATH, i, key)
-                return Pending(name, shapes[name], torch.float32)
+            def vectors(*prefix):
+                def vector(i, key):
+                    name = (DISTOPT_PATH, *prefix, i, key)
+                    return Pending(name, shapes[name], torch.float32)
+                return vector
 
-            return save_target(store, target, distopt.build(ctx.buffers, ctx.keys, vector), produce)
+            obj = [distopt.build(sub, ctx.keys, vectors(s)) for s, sub in enumerate(ctx.buffers)] \
+                if ctx.chained else distopt.build(ctx.buffers[0], ctx.keys, vectors())
+            return save_target(store, target, obj, produce)
         topo, spec, schema = ctx.topo, ctx.spec, ctx.schema
         pending = {t.name: t for t in target.tensors}
         chunks: dict[str, dict] = {}
@@ -630,6 +656,12 @@ class MegatronWriter(UnevenStages, Writer):
         return [TRACKER]
 
 
+
+
+def _chained(spec: ModelSpec, topo: Topology) -> bool:
+    """Megatron-LM holds a MoE model's experts at EP > 1 in an optimizer of their own
+    (``ChainedOptimizer`` [dense, expert])."""
+    return bool(spec.num_experts) and topo.ep > 1
 
 
 def _key(t) -> str:

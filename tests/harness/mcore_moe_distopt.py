@@ -1,0 +1,353 @@
+"""Real Megatron-Core distributed-optimizer checkpoints of a MoE GPTModel on CPU (gloo, 2
+processes), in Megatron-LM's legacy layout.
+
+``generate`` builds, for each case, the MoE model of :mod:`tests.harness.mcore_moe` (its
+``MOE`` sizes, SequentialMLP experts, allgather dispatcher, Mixtral's router) at the case's
+TP/EP (PP = 1, DP fills the 2 processes), every parameter set from a seed of its global name
+(:func:`tests.harness.mcore_moe._randomize`, so the global model is the same at any EP), wraps
+it in ``DistributedDataParallel(use_distributed_optimizer=True)`` with Megatron's own
+optimizer, takes one Adam step from seeded gradients and saves what
+Megatron-LM's legacy checkpointing saves, per (tp, pp, ep) directory
+``iter_0000001/mp_rank_TT[_EEE]/``:
+
+- ``distrib_optim.pt`` from ``opt.save_parameter_state`` (collective). At EP > 1 the optimizer
+  is a ``ChainedOptimizer`` of two ``DistributedOptimizer`` (dense params sharded over DP,
+  expert params over expert-DP) and the file is the list ``[dense_state or None,
+  expert_state or None]``, written by a rank whose DP or expert-DP rank is 0, the entry of a
+  sub-optimizer whose DP rank is not 0 being None: at EP2 rank 0 writes ``mp_rank_00_000`` =
+  [dense, expert(ep0)], rank 1 ``mp_rank_00_001`` = [None, expert(ep1)]. At EP1 mcore marks
+  no parameter expert-parallel (``allreduce`` is ``not (is_expert and EP > 1)``): experts sit
+  in the dense buffer, there is one ``DistributedOptimizer`` (in a ChainedOptimizer of one,
+  which delegates) and rank 0 alone writes ``mp_rank_00`` = one state dict. No two ranks
+  write one file.
+- ``model_optim_rng.pt`` from the ranks whose DP or expert-DP rank is 0
+  (:func:`tests.harness.mcore_moe._writes_legacy`), with ``optimizer`` = ``opt.state_dict()``
+  (at EP > 1 a list of the two sub-optimizers' state dicts); the tracker (rank 0).
+
+Ground truth comes from the optimizers themselves: for both sub-optimizers, each process's
+shard of every parameter's fp32 master, ``exp_avg`` and ``exp_avg_sq`` (with its range in
+the parameter), keyed by the parameter's global name (an expert's local index made global),
+plus mcore's buffer maps (``ddp.buffers`` and ``ddp.expert_parallel_buffers``, empty at EP1).
+
+``load`` does what Megatron-LM's loader does with such a checkpoint, at its own topology, and
+dumps the same truth. :func:`canonical_state` joins the dumps into global tensors by hand.
+
+Shims (test only): those of :mod:`tests.harness.mcore_distopt` (CUDA device/synchronize/
+``Tensor.cuda`` on CPU, the CUDA RNG tracker's ``fork``, ``Tensor.type()`` reporting
+``torch.cuda.*``, CPU tensors for ``device="cuda"`` factories; for loading
+:func:`tests.harness.mcore_distopt._keep_step_on_load` and ``torch.no_grad``), plus
+``moe_utils.te_general_gemm = None`` (0.16.1's router names it; it exists only with
+Transformer Engine) and :func:`tests.harness.mcore._sliding_window_mask_on_cpu` (unused
+here: no sliding window; called as mcore_moe does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import tests.harness.mcore as M
+import tests.harness.mcore_distopt as D
+import tests.harness.mcore_moe as MM
+
+WORLD = 2
+MOE = MM.MOE
+BASE = dict(tp=1, pp=1, bf16=False, overlap=False, bucket=None, clip=0.0)
+"""``clip`` is ``clip_grad``: 0 (no clipping) so that the EP1 and EP2 runs end in bit-identical
+global state; with Megatron's default 1.0 the global grad norm differs in its last bits
+between EPs (the state by ~1e-10)."""
+CASES = {
+    # DP2 for the dense params, expert-DP 1: each rank holds its 2 experts whole
+    "ep2": dict(BASE, ep=2),
+    # DP2 and expert-DP 2: every expert sharded over both ranks
+    "ep1": dict(BASE, ep=1),
+    # bf16 parameters (Float16Module), fp32 grads and masters
+    "ep2_bf16": dict(BASE, ep=2, bf16=True),
+}
+ITERATION = 1
+
+
+def megatron_args(c: dict) -> argparse.Namespace:
+    """The Megatron-LM args of the job: :func:`tests.harness.mcore_moe.moe_args` on 2
+    processes, with the distributed optimizer and DDP settings."""
+    tp, pp, ep = c["tp"], c["pp"], c["ep"]
+    args = MM.moe_args(MOE, tp, pp, ep)
+    vars(args).update(
+        world_size=WORLD, data_parallel_size=WORLD // (tp * pp),
+        params_dtype=torch.bfloat16 if c["bf16"] else torch.float32, bf16=c["bf16"],
+        use_distributed_optimizer=True, overlap_grad_reduce=c["overlap"],
+        ddp_bucket_size=c["bucket"], overlap_param_gather_with_optimizer_step=False,
+        accumulate_allreduce_grads_in_fp32=True, clip_grad=c["clip"])
+    return args
+
+
+def case_from_args(args: argparse.Namespace) -> dict:
+    """The case a checkpoint's args describe (what a resuming job would be launched with)."""
+    return dict(BASE, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                ep=args.expert_model_parallel_size, bf16=args.params_dtype == torch.bfloat16,
+                overlap=args.overlap_grad_reduce, bucket=args.ddp_bucket_size, clip=args.clip_grad)
+
+
+def _shims():
+    D._shims()
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None
+
+
+def _setup(c: dict):
+    """Parallel state, MoE model, DDP and optimizer of one case on this process."""
+    from megatron.core import parallel_state as ps, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tp, pp, ep = c["tp"], c["pp"], c["ep"]
+    assert pp == 1
+    ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=tp)
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    M._sliding_window_mask_on_cpu()
+    dtype = torch.bfloat16 if c["bf16"] else torch.float32
+    m = MOE
+    torch.manual_seed(1234)
+    cfg = TransformerConfig(
+        num_layers=m["num_layers"], hidden_size=m["hidden_size"],
+        num_attention_heads=m["num_attention_heads"], num_query_groups=m["num_query_groups"],
+        ffn_hidden_size=m["ffn_hidden_size"], use_cpu_initialization=True,
+        gated_linear_unit=m["swiglu"], activation_func=torch.nn.functional.silu,
+        add_bias_linear=m["bias"], normalization=m["norm"], params_dtype=dtype,
+        pipeline_dtype=dtype, bf16=c["bf16"], hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        num_moe_experts=m["num_experts"], moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
+        moe_router_topk=m["topk"], moe_router_score_function="softmax",
+        moe_router_pre_softmax=False, moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False, moe_expert_capacity_factor=None,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
+    spec = get_gpt_layer_local_spec(num_experts=m["num_experts"], moe_grouped_gemm=False,
+                                    normalization=m["norm"])
+    model = GPTModel(config=cfg, transformer_layer_spec=spec,
+                     vocab_size=M.padded(m["vocab_size"], m["divisible_by"], tp),
+                     max_sequence_length=M.SEQ, pre_process=True, post_process=True,
+                     share_embeddings_and_output_weights=m["tied"],
+                     position_embedding_type=m["pos"])
+    MM._randomize(ps, model, m)  # global values (rounded to bf16 if so): the same at any EP
+    if c["bf16"]:  # as Megatron-LM's get_model: every parameter in bf16
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(cfg, model)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=c["overlap"], bucket_size=c["bucket"],
+        grad_reduce_in_fp32=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=1e-2, weight_decay=0.1, use_distributed_optimizer=True,
+        bf16=c["bf16"], params_dtype=dtype, clip_grad=c["clip"]), [ddp])
+    return ps, ddp, opt
+
+
+def _local_experts(ps) -> int:
+    return MOE["num_experts"] // ps.get_expert_model_parallel_world_size()
+
+
+def _named(ps, ddp):
+    """(global name, parameter) of every local parameter: the state-dict name (no
+    Float16Module prefix) with an expert's local index made global."""
+    ep_rank, local = ps.get_expert_model_parallel_rank(), _local_experts(ps)
+    return [(MM.global_name(n.removeprefix("module."), ep_rank, local), p)
+            for n, p in ddp.module.named_parameters()]
+
+
+def _is_expert(p) -> bool:
+    return not getattr(p, "allreduce", True)
+
+
+def _seeded_grads(ps, ddp):
+    """Deterministic gradients from the global name (and the (expert-)TP rank of a TP-split
+    parameter): the same global model gets the same gradients at any EP."""
+    for name, p in _named(ps, ddp):
+        tp_rank = (ps.get_expert_tensor_parallel_rank() if _is_expert(p)
+                   else ps.get_tensor_model_parallel_rank())
+        split = getattr(p, "tensor_model_parallel", False)
+        seed = zlib.crc32(f"{name}/{tp_rank if split else 0}".encode())
+        p.main_grad.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+
+
+def _inner(opt) -> list:
+    return list(opt.chained_optimizers) if hasattr(opt, "chained_optimizers") else [opt]
+
+
+def _buffer_info(b, names) -> dict:
+    return {"key": (b.param_dtype, b.grad_dtype), "buckets": list(b.bucket_indices),
+            "numel": b.numel, "unpadded": [k.numel_unpadded for k in b.buckets],
+            "numel_unpadded": b.numel_unpadded,
+            "params": {names[p]: tuple(v) for p, v in b.param_index_map.items()}}
+
+
+def _truth(ps, ddp, opt) -> dict:
+    """This process's optimizer shards (both sub-optimizers), per local parameter by global
+    name, and mcore's buffer maps (dense and expert)."""
+    named = _named(ps, ddp)
+    names = {p: n for n, p in named}
+    shards, owner = {}, {}
+    for i, inner in enumerate(_inner(opt)):
+        for name, p in named:
+            if p not in inner.model_param_group_index_map:
+                continue  # not in this sub-optimizer, or no element of it on this DP rank
+            assert name not in shards, name
+            r = inner._get_model_param_range_map(p)["param"]
+            state = inner._get_main_param_and_optimizer_states(p)
+            shards[name] = (r.start, r.end, tuple(p.shape),
+                            {k: state[k].detach().clone() for k in ("param", "exp_avg", "exp_avg_sq")})
+            owner[name] = i
+    return {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+            "dp": ps.get_data_parallel_rank(), "ep": ps.get_expert_model_parallel_rank(),
+            "edp": ps.get_expert_data_parallel_rank(),
+            "etp": ps.get_expert_tensor_parallel_rank(),
+            "shards": shards, "optimizer_index": owner,
+            "buffers": [_buffer_info(b, names) for b in ddp.buffers],
+            "expert_buffers": [_buffer_info(b, names) for b in ddp.expert_parallel_buffers],
+            "names": [(n, tuple(p.shape), _is_expert(p), getattr(p, "tensor_model_parallel", False),
+                       getattr(p, "partition_dim", -1)) for n, p in named]}
+
+
+def _init(rank: int, port: int):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    _shims()
+
+
+def _dir(ps, root, c: dict) -> Path:
+    return Path(root) / f"iter_{ITERATION:07d}" / MM.rank_dir(
+        ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+        ps.get_expert_model_parallel_rank(), c["pp"], c["ep"])
+
+
+def _generate_worker(rank, cases, root, port):
+    _init(rank, port)
+    for name, c in cases.items():
+        ps, ddp, opt = _setup(c)
+        _seeded_grads(ps, ddp)
+        ok, _, _ = opt.step()
+        assert ok
+        d = _dir(ps, Path(root) / name, c)
+        d.mkdir(parents=True, exist_ok=True)
+        # collective; written where the dense or the expert DP rank is 0 (see the docstring)
+        opt.save_parameter_state(str(d / "distrib_optim.pt"))
+        if MM._writes_legacy(ps):
+            torch.save({"args": megatron_args(c), "checkpoint_version": 3.0, "iteration": ITERATION,
+                        "model": ddp.module.state_dict_for_save_checkpoint(),
+                        "optimizer": opt.state_dict(),
+                        "opt_param_scheduler": {"num_steps": ITERATION},
+                        "rng_state": [{"torch_rng_state": torch.get_rng_state()}]},
+                       d / "model_optim_rng.pt")
+        if rank == 0:
+            (Path(root) / name / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+        truth = Path(root) / f"{name}.truth"
+        truth.mkdir(exist_ok=True)
+        torch.save(_truth(ps, ddp, opt), truth / f"rank{rank}.pt")
+        dist.barrier()
+        ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _load_worker(rank, checkpoints, port):
+    _init(rank, port)
+    D._keep_step_on_load()
+    for ckpt in checkpoints:
+        tracker = (Path(ckpt) / "latest_checkpointed_iteration.txt").read_text().strip()
+        it = Path(ckpt) / f"iter_{int(tracker):07d}"
+        first = next(it.glob("mp_rank_*/model_optim_rng.pt"))
+        c = case_from_args(torch.load(first, weights_only=False)["args"])
+        ps, ddp, opt = _setup(c)
+        d = it / MM.rank_dir(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                             ps.get_expert_model_parallel_rank(), c["pp"], c["ep"])
+        state = torch.load(d / "model_optim_rng.pt", weights_only=False)
+        # Megatron-LM's check_checkpoint_args compares TP and PP (not EP); a file of another
+        # EP holds other experts under the same local names.
+        assert state["args"].tensor_model_parallel_size == c["tp"]
+        assert state["args"].pipeline_model_parallel_size == c["pp"]
+        assert state["args"].expert_model_parallel_size == c["ep"]
+        ddp.module.load_state_dict(state["model"], strict=True)
+        opt.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # fp32 masters are views of the parameters (leaves)
+            opt.load_parameter_state(str(d / "distrib_optim.pt"))
+        torch.save(_truth(ps, ddp, opt), Path(f"{ckpt}.loaded-rank{rank}.pt"))
+        dist.barrier()
+        ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def generate(root: Path, cases: dict = CASES) -> None:
+    """Write each case's checkpoint at ``root/<case>`` and its truth at ``root/<case>.truth``."""
+    M._spawn(_generate_worker, WORLD, cases, str(root))
+
+
+def load(checkpoints: list[Path]) -> list[list[dict]]:
+    """Load each checkpoint into real mcore at its own topology; each process's truth dump."""
+    M._spawn(_load_worker, WORLD, [str(c) for c in checkpoints])
+    return [[torch.load(f"{c}.loaded-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+            for c in checkpoints]
+
+
+def truth(root: Path, name: str) -> list[dict]:
+    """The per-process truth dumps of case ``name`` as generated."""
+    return [torch.load(root / f"{name}.truth" / f"rank{r}.pt", weights_only=False)
+            for r in range(WORLD)]
+
+
+# ------------------------------- the truth as global tensors (shards joined by hand)
+
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def canonical_state(dumps: list[dict]) -> dict:
+    """(kind, global parameter name) -> the global fp32 tensor, for kind in :data:`KINDS`.
+
+    The DP (or expert-DP) ranks' flat shards of one local tensor are joined first (their
+    ranges must cover it exactly); then a parameter held by several (expert-)TP ranks is
+    concatenated on its partition dim in TP-rank order if TP-split (mcore's local layout,
+    not re-ordered), else all copies must be equal. Experts keep one entry per global
+    expert name (``...mlp.experts.local_experts.<global>.linear_fc1.weight``); nothing is
+    stacked."""
+    local: dict = {}  # (tp rank, name) -> entry
+    info: dict = {}
+    for dump in dumps:
+        for name, shape, expert, split, dim in dump["names"]:
+            info[name] = (tuple(shape), split, dim)
+        for name, (start, end, shape, tensors) in dump["shards"].items():
+            tp_rank = dump["etp"] if _expert_name(name) else dump["tp"]
+            entry = local.setdefault((tp_rank, name), {"shape": shape, "seen": torch.zeros(
+                torch.Size(shape).numel(), dtype=torch.int32)})
+            for kind, t in tensors.items():
+                flat = entry.setdefault(kind, torch.zeros(torch.Size(shape).numel()))
+                flat[start:end] = t
+            entry["seen"][start:end] += 1
+    parts: dict = {}
+    for (tp_rank, name), entry in sorted(local.items()):
+        assert torch.all(entry["seen"] == 1), f"{name}: DP shards do not cover it exactly once"
+        parts.setdefault(name, []).append(entry)
+    out = {}
+    for name, entries in parts.items():
+        shape, split, dim = info[name]
+        for kind in KINDS:
+            tensors = [e[kind].view(e["shape"]) for e in entries]
+            if len(tensors) == 1:
+                out[(kind, name)] = tensors[0]
+            elif split:
+                out[(kind, name)] = torch.cat(tensors, dim=dim)
+            else:
+                assert all(torch.equal(tensors[0], x) for x in tensors), name
+                out[(kind, name)] = tensors[0]
+    return out
+
+
+def _expert_name(name: str) -> bool:
+    return ".local_experts." in name
