@@ -258,8 +258,10 @@ class MegatronReader(TorchFileReader):
                 _add_piece(index, params, canonical, replica, f, path, ref, padded, topo, store, expert=expert,
                            key=canon.state_key(kind, canonical))
         saved = index.layout(optim.Layout)
-        meta = optim.Layout(layout_.fp16, {}, layout_.step, layout_.hyper,
-                            self._load(store, f.rel).materialize(layout_.extra), layout_.kinds)
+        materialize = self._load(store, f.rel).materialize
+        meta = optim.Layout(layout_.fp16, {}, layout_.step, layout_.hyper, materialize(layout_.extra),
+                            layout_.kinds, None if layout_.expert_extra is None else
+                            materialize(layout_.expert_extra))
         if saved is None:
             index.set_layout(meta)
         elif saved.step != meta.step or saved.fp16 != meta.fp16:

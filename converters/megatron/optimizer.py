@@ -60,6 +60,8 @@ class Layout:
     """Everything else (grad scaler...), carried as it is."""
     kinds: list[str] | None = None
     """The kind of each group of ``hyper`` (:func:`megatron_groups`); None: decay, no decay."""
+    expert_extra: dict | None = None
+    """The expert optimizer's non-tensor state (grad scaler...) of a ChainedOptimizer source."""
 
 
 def megatron_groups(params: list[tuple[str, int]], ep: int = 1) -> list[tuple[str, list[str]]]:
@@ -93,23 +95,55 @@ def _hyper_of(layout: "Layout", kind: str) -> dict:
     return base
 
 
+def chained(params: list[tuple[str, int]], ep: int) -> bool:
+    """Megatron-Core builds a ``ChainedOptimizer`` of a dense and an expert optimizer when
+    some parameters are expert-parallel (experts at EP > 1); its state dict is then the list
+    of the two optimizers' state dicts."""
+    return any(k.startswith("expert_") for k, _ in megatron_groups(params, ep))
+
+
 def read(optimizer: Any, params: list[tuple[str, int, tuple]], source: str,
          materialize=lambda x: x, ep: int = 1) -> Layout:
     """Map the optimizer state of one rank file to its parameters.
 
     ``params`` is ``(local name, ndim, shape)`` in named_parameters order; shapes of the
     stored moments must equal the parameters'. ``materialize`` reads small stored tensors
-    (the step counters).
+    (the step counters). At EP > 1 a model with experts has Megatron-Core's
+    ``ChainedOptimizer`` state ``[dense, expert]`` (:func:`chained`), each over its own
+    groups of :func:`megatron_groups`; a single state dict over all of them is read too.
     """
+    grouped = megatron_groups([(n, d) for n, d, _ in params], ep)
+    if not isinstance(optimizer, list):
+        return _read_one(optimizer, params, grouped, source, materialize, ("optimizer",))
+    if not (chained([(n, d) for n, d, _ in params], ep) and len(optimizer) == 2):
+        raise UnreadableInput(f"optimizer state is a list of {len(optimizer)} optimizers' states; "
+                              "Megatron's ChainedOptimizer holds two, a dense and an expert one, "
+                              "only for a model with experts at EP > 1", path=source)
+    parts = [_read_one(sub, params, [g for g in grouped if g[0].startswith("expert_") == expert],
+                       source, materialize, ("optimizer", i))
+             for i, (sub, expert) in enumerate(zip(optimizer, (False, True)))]
+    dense, experts = parts
+    if dense.fp16 != experts.fp16 or None not in (dense.step, experts.step) and dense.step != experts.step:
+        raise UnreadableInput("the dense and the expert optimizer differ in kind or step", path=source)
+    return Layout(dense.fp16, {**dense.tensors, **experts.tensors},
+                  dense.step if dense.step is not None else experts.step,
+                  dense.hyper + experts.hyper, dense.extra,
+                  None if None in (dense.kinds, experts.kinds) else dense.kinds + experts.kinds,
+                  expert_extra=experts.extra)
+
+
+def _read_one(optimizer: Any, params: list[tuple[str, int, tuple]], grouped: list[tuple[str, list[str]]],
+              source: str, materialize, root: tuple) -> Layout:
+    """:func:`read` of one optimizer's state dict (at ``root`` in the rank file) over the
+    param groups ``grouped``."""
     if isinstance(optimizer, dict) and "fp32_from_fp16_params" in optimizer:
-        fp16, inner, base = True, optimizer.get("optimizer"), ("optimizer", "optimizer")
+        fp16, inner, base = True, optimizer.get("optimizer"), (*root, "optimizer")
     else:
-        fp16, inner, base = False, optimizer, ("optimizer",)
+        fp16, inner, base = False, optimizer, root
     if not (isinstance(inner, dict) and "state" in inner and "param_groups" in inner):
         raise UnreadableInput("optimizer state is not a Megatron FP32/Float16 optimizer state dict",
                               path=source)
     by_name = {n: (d, s) for n, d, s in params}
-    grouped = megatron_groups([(n, d) for n, d, _ in params], ep)
     expected = [g for _, g in grouped]
     stored = [list(g.get("params", [])) for g in inner["param_groups"]]
     sizes = [len(g) for g in stored]
@@ -142,7 +176,7 @@ def read(optimizer: Any, params: list[tuple[str, int, tuple]], source: str,
             if masters is not None:
                 if tuple(masters[gi][pos].shape) != tuple(shape):
                     raise UnreadableInput(f"fp32 master of {name} has the wrong shape", path=source)
-                paths["fp32_param"] = ("optimizer", "fp32_from_fp16_params", gi, pos)
+                paths["fp32_param"] = (*root, "fp32_from_fp16_params", gi, pos)
             if "step" in entry:
                 steps.add(_scalar(materialize(entry["step"])))
             tensors[name] = paths
@@ -161,14 +195,24 @@ def _scalar(value):
         return value
 
 
-def build(params: list[tuple[str, int]], layout: Layout, pending, ep: int = 1) -> dict:
+def build(params: list[tuple[str, int]], layout: Layout, pending, ep: int = 1) -> Any:
     """The optimizer entry of a target rank file.
 
     ``params`` is ``(local name, ndim)`` in the target model's named_parameters order;
     ``pending(kind, name)`` gives the tensor placeholder for that parameter's state; the
-    groups are Megatron-Core's at the target's EP (:func:`megatron_groups`).
+    groups are Megatron-Core's at the target's EP (:func:`megatron_groups`), in one state
+    dict, or in the two of a ChainedOptimizer where Megatron-Core builds one (:func:`chained`).
     """
-    kinds_and_groups = megatron_groups(params, ep)
+    grouped = megatron_groups(params, ep)
+    if not chained(params, ep):
+        return _build_one(grouped, layout, pending, layout.extra)
+    return [_build_one([g for g in grouped if g[0].startswith("expert_") == expert], layout, pending,
+                       layout.expert_extra if expert and layout.expert_extra is not None else layout.extra)
+            for expert in (False, True)]
+
+
+def _build_one(kinds_and_groups: list[tuple[str, list[str]]], layout: Layout, pending, extra: dict) -> dict:
+    """One optimizer's state dict over the param groups ``kinds_and_groups``."""
     grouped = [g for _, g in kinds_and_groups]
     hyper = [_hyper_of(layout, k) for k, _ in kinds_and_groups]
 
@@ -183,7 +227,7 @@ def build(params: list[tuple[str, int]], layout: Layout, pending, ep: int = 1) -
     if not layout.fp16:
         return inner
     masters = [[pending("fp32_param", name) for name in names] for names in grouped]
-    return {"optimizer": inner, **copy.deepcopy(layout.extra), "fp32_from_fp16_params": masters}
+    return {"optimizer": inner, **copy.deepcopy(extra), "fp32_from_fp16_params": masters}
 
 
 # ------------------------------------------------------ Megatron-Core sharded (torch_dist) form

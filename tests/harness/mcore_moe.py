@@ -237,6 +237,38 @@ def _average_expert_grads(ps, model) -> None:
             p.register_hook(lambda g: g / dp)
 
 
+class _Chained:
+    """What Megatron-Core's ``ChainedOptimizer`` of two FP32Optimizers is to a checkpoint at
+    EP > 1: a dense and an expert optimizer (torch AdamW over mcore's param groups, split by
+    ``is_expert_parallel``), whose state dict is the list of the two."""
+
+    def __init__(self, model):
+        groups = M._optimizer(model).param_groups
+        self.parts = [torch.optim.AdamW([g for g in groups if g["is_expert_parallel"] == expert], lr=M.LR)
+                      for expert in (False, True)]
+
+    def zero_grad(self):
+        for p in self.parts:
+            p.zero_grad()
+
+    def step(self):
+        for p in self.parts:
+            p.step()
+
+    def state_dict(self):
+        return [p.state_dict() for p in self.parts]
+
+    def load_state_dict(self, states):
+        for p, s in zip(self.parts, states, strict=True):
+            p.load_state_dict(s)
+
+
+def _moe_optimizer(model, ep: int):
+    """Megatron-LM's non-distributed optimizer of the MoE model at EP ``ep``: one torch AdamW
+    over mcore's param groups at EP1, the :class:`_Chained` pair at EP > 1."""
+    return _Chained(model) if ep > 1 else M._optimizer(model)
+
+
 def _step(model, opt, m: dict, step: int) -> float:
     """:func:`tests.harness.mcore._step` on token ids modulo the true vocabulary (MOE has 250)."""
     return M._step(model, opt, step, m["vocab_size"])
@@ -246,7 +278,7 @@ def _train_save_moe_worker(rank, m, tp, ep, root, port):
     ps = _init(rank, tp, ep, None, port)
     model = _randomized_model(ps, m, tp, ep)
     _average_expert_grads(ps, model)
-    opt = M._optimizer(model)  # expert params are their own group(s) at EP > 1, kept in it
+    opt = _moe_optimizer(model, ep)
     for step in range(2):
         _step(model, opt, m, step)
     if _writes_legacy(ps):
@@ -270,7 +302,7 @@ def _resume_moe_worker(rank, m, tp, ep, root, out, port):
     model = _model(m, tp, ep)
     state = _load_rank_state(ps, model, tp, ep, None, root)
     _average_expert_grads(ps, model)
-    opt = M._optimizer(model)
+    opt = _moe_optimizer(model, ep)
     opt.load_state_dict(state["optimizer"])
     loss = _step(model, opt, m, 2)
     logits = M._forward(ps, model, m, tp, 1)

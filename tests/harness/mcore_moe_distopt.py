@@ -1,14 +1,14 @@
-"""Real Megatron-Core distributed-optimizer checkpoints of a MoE GPTModel on CPU (gloo, 2
-processes), in Megatron-LM's legacy layout.
+"""Real Megatron-Core checkpoints of a MoE GPTModel with Megatron's optimizer (distributed
+or not) on CPU (gloo, 2 processes), in Megatron-LM's legacy layout.
 
 ``generate`` builds, for each case, the MoE model of :mod:`tests.harness.mcore_moe` (its
 ``MOE`` sizes, SequentialMLP experts, allgather dispatcher, Mixtral's router) at the case's
-TP/EP (PP = 1, DP fills the 2 processes), every parameter set from a seed of its global name
-(:func:`tests.harness.mcore_moe._randomize`, so the global model is the same at any EP), wraps
-it in ``DistributedDataParallel(use_distributed_optimizer=True)`` with Megatron's own
-optimizer, takes one Adam step from seeded gradients and saves what
+TP/EP/ETP (PP = 1, DP fills the 2 processes), every parameter set from a seed of its global
+name (:func:`tests.harness.mcore_moe._randomize`, so the global model is the same at any
+TP/EP/ETP), wraps it in ``DistributedDataParallel`` with Megatron's own optimizer, takes one
+Adam step from gradients seeded per global tensor (:func:`_seeded_grads`) and saves what
 Megatron-LM's legacy checkpointing saves, per (tp, pp, ep) directory
-``iter_0000001/mp_rank_TT[_EEE]/``:
+``iter_0000001/mp_rank_TT[_EEE]/``. With the distributed optimizer:
 
 - ``distrib_optim.pt`` from ``opt.save_parameter_state`` (collective). At EP > 1 the optimizer
   is a ``ChainedOptimizer`` of two ``DistributedOptimizer`` (dense params sharded over DP,
@@ -24,13 +24,30 @@ Megatron-LM's legacy checkpointing saves, per (tp, pp, ep) directory
   (:func:`tests.harness.mcore_moe._writes_legacy`), with ``optimizer`` = ``opt.state_dict()``
   (at EP > 1 a list of the two sub-optimizers' state dicts); the tracker (rank 0).
 
-Ground truth comes from the optimizers themselves: for both sub-optimizers, each process's
-shard of every parameter's fp32 master, ``exp_avg`` and ``exp_avg_sq`` (with its range in
-the parameter), keyed by the parameter's global name (an expert's local index made global),
-plus mcore's buffer maps (``ddp.buffers`` and ``ddp.expert_parallel_buffers``, empty at EP1).
+At TP2, ETP1, EP2 (DP1, expert-DP1) rank 0 is (tp0, ep0) and rank 1 (tp1, ep1): each writes
+both files of its own directory, ``mp_rank_00_000`` and ``mp_rank_01_001``, its
+``distrib_optim.pt`` being [dense, expert]. At TP2, EP1 (ETP2, DP1) the ranks write
+``mp_rank_00`` and ``mp_rank_01``, each one state dict. A TP2 case runs with sequence
+parallelism, as Megatron-LM's argument check requires of MoE with TP > 1 (and mcore's
+MoELayer refuses to train without it); it changes nothing that is saved.
 
-``load`` does what Megatron-LM's loader does with such a checkpoint, at its own topology, and
-dumps the same truth. :func:`canonical_state` joins the dumps into global tensors by hand.
+Without the distributed optimizer (``distopt`` False) the optimizer is a ChainedOptimizer of
+``FP32Optimizer`` (dense, expert) at EP > 1, one ``FP32Optimizer`` at EP1, each holding its
+parameters whole on every (expert-)DP rank; only ``model_optim_rng.pt`` is written (same
+writers), its ``optimizer`` being ``opt.state_dict()``: the torch optimizer's state dict
+(``state`` by parameter index, ``param_groups`` with index lists), a list of two at EP > 1.
+
+Ground truth comes from the optimizers themselves: for every sub-optimizer, each process's
+shard of every parameter's fp32 master, ``exp_avg`` and ``exp_avg_sq`` (with its range in
+the parameter; the whole parameter without the distributed optimizer, whose master is the
+parameter itself), keyed by the parameter's global name (an expert's local index made
+global), plus mcore's buffer maps (``ddp.buffers`` and ``ddp.expert_parallel_buffers``,
+empty at EP1), and ``next_loss``: after the truth is taken, one real training step
+(:func:`_next_step`) and its loss.
+
+``load`` does what Megatron-LM's loader does with such a checkpoint, at its own topology,
+dumps the same truth and takes the same next step. :func:`canonical_state` joins the dumps
+into global tensors by hand.
 
 Shims (test only): those of :mod:`tests.harness.mcore_distopt` (CUDA device/synchronize/
 ``Tensor.cuda`` on CPU, the CUDA RNG tracker's ``fork``, ``Tensor.type()`` reporting
@@ -58,10 +75,11 @@ import tests.harness.mcore_moe as MM
 
 WORLD = 2
 MOE = MM.MOE
-BASE = dict(tp=1, pp=1, bf16=False, overlap=False, bucket=None, clip=0.0)
+BASE = dict(tp=1, pp=1, bf16=False, overlap=False, bucket=None, clip=0.0, distopt=True)
 """``clip`` is ``clip_grad``: 0 (no clipping) so that the EP1 and EP2 runs end in bit-identical
 global state; with Megatron's default 1.0 the global grad norm differs in its last bits
-between EPs (the state by ~1e-10)."""
+between EPs (the state by ~1e-10). ``distopt`` is ``use_distributed_optimizer``. A case's
+``etp`` (expert TP) is its ``tp`` when absent."""
 CASES = {
     # DP2 for the dense params, expert-DP 1: each rank holds its 2 experts whole
     "ep2": dict(BASE, ep=2),
@@ -69,19 +87,30 @@ CASES = {
     "ep1": dict(BASE, ep=1),
     # bf16 parameters (Float16Module), fp32 grads and masters
     "ep2_bf16": dict(BASE, ep=2, bf16=True),
+    # experts whole (ETP1) on their EP rank, dense params TP-split: (tp0, ep0) and (tp1, ep1)
+    "tp2_etp1_ep2": dict(BASE, tp=2, etp=1, ep=2),
+    # everything TP-split, experts too (ETP = TP), DP1
+    "tp2_ep1": dict(BASE, tp=2, ep=1),
+    # the non-distributed optimizer (FP32Optimizer): ep2's and ep1's runs otherwise
+    "ep2_plain": dict(BASE, ep=2, distopt=False),
+    "ep1_plain": dict(BASE, ep=1, distopt=False),
 }
 ITERATION = 1
 
 
+def _etp(c: dict) -> int:
+    return c.get("etp", c["tp"])
+
+
 def megatron_args(c: dict) -> argparse.Namespace:
     """The Megatron-LM args of the job: :func:`tests.harness.mcore_moe.moe_args` on 2
-    processes, with the distributed optimizer and DDP settings."""
+    processes, with the optimizer, DDP and sequence-parallel settings."""
     tp, pp, ep = c["tp"], c["pp"], c["ep"]
-    args = MM.moe_args(MOE, tp, pp, ep)
+    args = MM.moe_args(MOE, tp, pp, ep, _etp(c))
     vars(args).update(
-        world_size=WORLD, data_parallel_size=WORLD // (tp * pp),
+        world_size=WORLD, data_parallel_size=WORLD // (tp * pp), sequence_parallel=tp > 1,
         params_dtype=torch.bfloat16 if c["bf16"] else torch.float32, bf16=c["bf16"],
-        use_distributed_optimizer=True, overlap_grad_reduce=c["overlap"],
+        use_distributed_optimizer=c["distopt"], overlap_grad_reduce=c["overlap"],
         ddp_bucket_size=c["bucket"], overlap_param_gather_with_optimizer_step=False,
         accumulate_allreduce_grads_in_fp32=True, clip_grad=c["clip"])
     return args
@@ -90,8 +119,10 @@ def megatron_args(c: dict) -> argparse.Namespace:
 def case_from_args(args: argparse.Namespace) -> dict:
     """The case a checkpoint's args describe (what a resuming job would be launched with)."""
     return dict(BASE, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                ep=args.expert_model_parallel_size, bf16=args.params_dtype == torch.bfloat16,
-                overlap=args.overlap_grad_reduce, bucket=args.ddp_bucket_size, clip=args.clip_grad)
+                ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+                bf16=args.params_dtype == torch.bfloat16, overlap=args.overlap_grad_reduce,
+                bucket=args.ddp_bucket_size, clip=args.clip_grad,
+                distopt=args.use_distributed_optimizer)
 
 
 def _shims():
@@ -102,7 +133,8 @@ def _shims():
 
 
 def _setup(c: dict):
-    """Parallel state, MoE model, DDP and optimizer of one case on this process."""
+    """Parallel state, MoE model, DDP and optimizer of one case on this process
+    (sequence parallelism at TP > 1)."""
     from megatron.core import parallel_state as ps, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -110,10 +142,10 @@ def _setup(c: dict):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    tp, pp, ep = c["tp"], c["pp"], c["ep"]
+    tp, pp, ep, etp = c["tp"], c["pp"], c["ep"], _etp(c)
     assert pp == 1
     ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep,
-                                 expert_tensor_parallel_size=tp)
+                                 expert_tensor_parallel_size=etp)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     M._sliding_window_mask_on_cpu()
     dtype = torch.bfloat16 if c["bf16"] else torch.float32
@@ -126,12 +158,12 @@ def _setup(c: dict):
         gated_linear_unit=m["swiglu"], activation_func=torch.nn.functional.silu,
         add_bias_linear=m["bias"], normalization=m["norm"], params_dtype=dtype,
         pipeline_dtype=dtype, bf16=c["bf16"], hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
         num_moe_experts=m["num_experts"], moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
         moe_router_topk=m["topk"], moe_router_score_function="softmax",
         moe_router_pre_softmax=False, moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False, moe_expert_capacity_factor=None,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     spec = get_gpt_layer_local_spec(num_experts=m["num_experts"], moe_grouped_gemm=False,
                                     normalization=m["norm"])
     model = GPTModel(config=cfg, transformer_layer_spec=spec,
@@ -139,16 +171,16 @@ def _setup(c: dict):
                      max_sequence_length=M.SEQ, pre_process=True, post_process=True,
                      share_embeddings_and_output_weights=m["tied"],
                      position_embedding_type=m["pos"])
-    MM._randomize(ps, model, m)  # global values (rounded to bf16 if so): the same at any EP
+    MM._randomize(ps, model, m)  # global values (rounded to bf16 if so): the same at any TP/EP
     if c["bf16"]:  # as Megatron-LM's get_model: every parameter in bf16
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(cfg, model)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=c["overlap"], bucket_size=c["bucket"],
-        grad_reduce_in_fp32=True), model)
+        use_distributed_optimizer=c["distopt"], overlap_grad_reduce=c["overlap"],
+        bucket_size=c["bucket"], grad_reduce_in_fp32=True), model)
     opt = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=1e-2, weight_decay=0.1, use_distributed_optimizer=True,
+        optimizer="adam", lr=1e-2, weight_decay=0.1, use_distributed_optimizer=c["distopt"],
         bf16=c["bf16"], params_dtype=dtype, clip_grad=c["clip"]), [ddp])
     return ps, ddp, opt
 
@@ -169,15 +201,32 @@ def _is_expert(p) -> bool:
     return not getattr(p, "allreduce", True)
 
 
+def _tp(ps, name: str) -> tuple[int, int]:
+    """(rank, size) of the group parameter ``name`` is TP-split over: expert TP for an
+    expert's (by name: mcore marks experts ``allreduce = False`` only at EP > 1), else TP."""
+    if _expert_name(name):
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
 def _seeded_grads(ps, ddp):
-    """Deterministic gradients from the global name (and the (expert-)TP rank of a TP-split
-    parameter): the same global model gets the same gradients at any EP."""
+    """Deterministic gradients: the global tensor's from a seed of the global name, cut for
+    this rank as the weight is cut (:func:`tests.harness.mcore_moe._randomize`: stride·world
+    chunks on the partition dim, every world-th one), so the global gradient is the same at
+    any TP/EP/ETP; a replicated parameter's is the same on every rank, as after Megatron's
+    all-reduces."""
     for name, p in _named(ps, ddp):
-        tp_rank = (ps.get_expert_tensor_parallel_rank() if _is_expert(p)
-                   else ps.get_tensor_model_parallel_rank())
+        shape = list(p.shape)
         split = getattr(p, "tensor_model_parallel", False)
-        seed = zlib.crc32(f"{name}/{tp_rank if split else 0}".encode())
-        p.main_grad.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+        rank, world = _tp(ps, name)
+        if split:
+            shape[p.partition_dim] *= world
+        seed = zlib.crc32(f"{name}/grad".encode())
+        full = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        if split:
+            chunks = full.chunk(p.partition_stride * world, dim=p.partition_dim)
+            full = torch.cat(chunks[rank::world], dim=p.partition_dim)
+        p.main_grad.copy_(full)
 
 
 def _inner(opt) -> list:
