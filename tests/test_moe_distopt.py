@@ -33,29 +33,48 @@ def assert_equal_states(got: dict, want: dict):
         assert torch.equal(got[key], want[key]), key
 
 
-@pytest.mark.parametrize("case,to_ep", [("ep2", 1), ("ep1", 2), ("ep2", 2), ("ep2_bf16", 1)])
-def test_reshard_across_ep_loads_in_megatron_core_bit_equal(runs, case, to_ep, tmp_path, run_cli):
-    """EP2 -> EP1: the expert optimizer's state joins the dense buffer; EP1 -> EP2: it
-    leaves it for a ChainedOptimizer of its own; mcore's load_state_dict and
-    load_parameter_state take the output at the new EP, masters and moments bit-equal."""
+RESHARDS = [
+    ("ep2", dict(ep=1, dp=2)), ("ep1", dict(ep=2, dp=2)), ("ep2", dict(ep=2, dp=2)),
+    ("ep2_bf16", dict(ep=1, dp=2)),
+    # expert TP other than TP: TP2/ETP1/EP2 (files (tp0, ep0), (tp1, ep1)) to TP1, and back
+    ("tp2_etp1_ep2", dict(tp=1, ep=2, dp=2)), ("ep1", dict(tp=2, etp=1, ep=2, dp=1)),
+    ("tp2_ep1", dict(tp=1, ep=1, dp=2)), ("ep1", dict(tp=2, ep=1, dp=1)),
+    # Megatron's non-distributed optimizer: a ChainedOptimizer of FP32Optimizers at EP2
+    ("ep2_plain", dict(ep=1, dp=2)), ("ep1_plain", dict(ep=2, dp=2)),
+]
+
+
+@pytest.mark.parametrize("case,to", RESHARDS, ids=[f"{c}-to-" + "-".join(f"{k}{v}" for k, v in t.items())
+                                                  for c, t in RESHARDS])
+def test_reshard_loads_in_megatron_core_bit_equal_and_steps_on(runs, case, to, tmp_path, run_cli):
+    """Across EP (the expert optimizer's state joins the dense buffer, or leaves it for a
+    ChainedOptimizer of its own), TP and ETP: mcore's load_state_dict (and
+    load_parameter_state) take the output at the new topology, masters and moments
+    bit-equal, and the next step's loss is the uninterrupted run's."""
     dst = tmp_path / "out"
-    r = run_cli("reshard", runs / case, dst, "--to-ep", to_ep, "--to-dp", 2,
-                "--true-vocab-size", H.MOE["vocab_size"])
+    args = [a for k, v in to.items() for a in (f"--to-{k}", v)]
+    r = run_cli("reshard", runs / case, dst, *args, "--true-vocab-size", H.MOE["vocab_size"])
     assert r.code == 0, r.err
+    tp, ep = to.get("tp", 1), to["ep"]
     names = sorted(p.name for p in (dst / "iter_0000001").iterdir())
-    assert names == (["mp_rank_00"] if to_ep == 1 else ["mp_rank_00_000", "mp_rank_00_001"])
+    assert names == sorted(f"mp_rank_{t:02d}" + (f"_{e:03d}" if ep > 1 else "") for t in range(tp) for e in range(ep))
     loaded, = H.load([dst])
-    assert {d["ep"] for d in loaded} == set(range(to_ep))
-    assert_equal_states(H.canonical_state(loaded), H.canonical_state(H.truth(runs, case)))
+    assert {(d["tp"], d["ep"]) for d in loaded} <= {(t, e) for t in range(tp) for e in range(ep)}
+    assert {d["ep"] for d in loaded} == set(range(ep)) and {d["tp"] for d in loaded} == set(range(tp))
+    saved = H.truth(runs, case)
+    assert_equal_states(H.canonical_state(loaded), H.canonical_state(saved))
+    want = saved[0]["next_loss"]
+    assert abs(loaded[0]["next_loss"] - want) / abs(want) < 1e-5
     assert run_cli("verify", "--deep", dst).code == 0
 
 
 def test_the_same_step_at_ep1_and_ep2_gives_the_same_state(runs, tmp_path, run_cli):
-    """The harness's own check that the comparison means something: the EP1 and EP2 runs of
-    the same global model and gradients hold the same state, and a resharded EP2 run equals
-    the EP1 run; a swap of two experts' moments in the file is caught."""
-    ep1, ep2 = (H.canonical_state(H.truth(runs, c)) for c in ("ep1", "ep2"))
-    assert_equal_states(ep2, ep1)
+    """The harness's own check that the comparison means something: the runs of the same
+    global model and gradients at every topology and with either optimizer hold the same
+    state; a swap of two experts' moments in the file is caught."""
+    ep1 = H.canonical_state(H.truth(runs, "ep1"))
+    for case in ("ep2", "tp2_etp1_ep2", "tp2_ep1", "ep1_plain", "ep2_plain"):
+        assert_equal_states(H.canonical_state(H.truth(runs, case)), ep1)
     bad = tmp_path / "bad"
     import shutil
     shutil.copytree(runs / "ep2", bad)

@@ -29,7 +29,8 @@ both files of its own directory, ``mp_rank_00_000`` and ``mp_rank_01_001``, its
 ``distrib_optim.pt`` being [dense, expert]. At TP2, EP1 (ETP2, DP1) the ranks write
 ``mp_rank_00`` and ``mp_rank_01``, each one state dict. A TP2 case runs with sequence
 parallelism, as Megatron-LM's argument check requires of MoE with TP > 1 (and mcore's
-MoELayer refuses to train without it); it changes nothing that is saved.
+MoELayer raises in training mode without it); of what is saved it changes only
+``args.sequence_parallel``.
 
 Without the distributed optimizer (``distopt`` False) the optimizer is a ChainedOptimizer of
 ``FP32Optimizer`` (dense, expert) at EP > 1, one ``FP32Optimizer`` at EP1, each holding its
@@ -54,8 +55,9 @@ Shims (test only): those of :mod:`tests.harness.mcore_distopt` (CUDA device/sync
 ``torch.cuda.*``, CPU tensors for ``device="cuda"`` factories; for loading
 :func:`tests.harness.mcore_distopt._keep_step_on_load` and ``torch.no_grad``), plus
 ``moe_utils.te_general_gemm = None`` (0.16.1's router names it; it exists only with
-Transformer Engine) and :func:`tests.harness.mcore._sliding_window_mask_on_cpu` (unused
-here: no sliding window; called as mcore_moe does).
+Transformer Engine), :func:`_torch_norm_with_sequence_parallel` (torch norms under sequence
+parallelism) and :func:`tests.harness.mcore._sliding_window_mask_on_cpu` (unused here: no
+sliding window; called as mcore_moe does).
 """
 
 from __future__ import annotations
@@ -130,6 +132,30 @@ def _shims():
     from megatron.core.transformer.moe import moe_utils
 
     moe_utils.te_general_gemm = None
+    _torch_norm_with_sequence_parallel()
+
+
+def _torch_norm_with_sequence_parallel():
+    """Without TE or apex the local spec's norms are torch's (``WrappedTorchNorm``), which
+    refuse ``sequence_parallel``; mcore's own norms that take it (FusedLayerNorm, TENorm)
+    normalize the local sequence chunk as any norm does and mark their parameters
+    ``sequence_parallel`` so that ``finalize_model_grads`` sums their grads over TP. The shim
+    builds the torch norm as without sequence parallelism and marks its parameters so."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    plain = WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, *a, **k):
+        sp, config.sequence_parallel = config.sequence_parallel, False
+        try:
+            norm = plain(cls, config, hidden_size, *a, **k)
+        finally:
+            config.sequence_parallel = sp
+        for q in norm.parameters():
+            q.sequence_parallel = sp
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(new)
 
 
 def _setup(c: dict):
@@ -240,31 +266,73 @@ def _buffer_info(b, names) -> dict:
             "params": {names[p]: tuple(v) for p, v in b.param_index_map.items()}}
 
 
-def _truth(ps, ddp, opt) -> dict:
-    """This process's optimizer shards (both sub-optimizers), per local parameter by global
+def _shard(inner, p):
+    """(start, end, {kind: flat tensor}) of ``p`` in sub-optimizer ``inner`` on this process,
+    or None where it holds none of it: a DistributedOptimizer's range of the fp32 master
+    and moments; an FP32Optimizer's whole parameter (its own master) and torch Adam state."""
+    if hasattr(inner, "model_param_group_index_map"):
+        if p not in inner.model_param_group_index_map:
+            return None  # not in this sub-optimizer, or no element of it on this DP rank
+        r = inner._get_model_param_range_map(p)["param"]
+        state = inner._get_main_param_and_optimizer_states(p)
+        return r.start, r.end, {k: state[k].detach().clone() for k in KINDS}
+    if not any(p is q for g in inner.optimizer.param_groups for q in g["params"]):
+        return None
+    state = {"param": p, **inner.optimizer.state[p]}
+    return 0, p.numel(), {k: state[k].detach().reshape(-1).clone() for k in KINDS}
+
+
+def _truth(ps, ddp, opt, c: dict) -> dict:
+    """This process's optimizer shards (every sub-optimizer), per local parameter by global
     name, and mcore's buffer maps (dense and expert)."""
     named = _named(ps, ddp)
     names = {p: n for n, p in named}
     shards, owner = {}, {}
     for i, inner in enumerate(_inner(opt)):
         for name, p in named:
-            if p not in inner.model_param_group_index_map:
-                continue  # not in this sub-optimizer, or no element of it on this DP rank
+            shard = _shard(inner, p)
+            if shard is None:
+                continue
             assert name not in shards, name
-            r = inner._get_model_param_range_map(p)["param"]
-            state = inner._get_main_param_and_optimizer_states(p)
-            shards[name] = (r.start, r.end, tuple(p.shape),
-                            {k: state[k].detach().clone() for k in ("param", "exp_avg", "exp_avg_sq")})
+            start, end, tensors = shard
+            shards[name] = (start, end, tuple(p.shape), tensors)
             owner[name] = i
     return {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
             "dp": ps.get_data_parallel_rank(), "ep": ps.get_expert_model_parallel_rank(),
             "edp": ps.get_expert_data_parallel_rank(),
             "etp": ps.get_expert_tensor_parallel_rank(),
+            "tp_size": ps.get_tensor_model_parallel_world_size(),
+            "etp_size": ps.get_expert_tensor_parallel_world_size(), "distopt": c["distopt"],
             "shards": shards, "optimizer_index": owner,
             "buffers": [_buffer_info(b, names) for b in ddp.buffers],
             "expert_buffers": [_buffer_info(b, names) for b in ddp.expert_parallel_buffers],
             "names": [(n, tuple(p.shape), _is_expert(p), getattr(p, "tensor_model_parallel", False),
-                       getattr(p, "partition_dim", -1)) for n, p in named]}
+                       getattr(p, "partition_dim", -1), getattr(p, "partition_stride", 1))
+                      for n, p in named]}
+
+
+def _next_step(ddp, opt) -> float:
+    """One real training step, as Megatron-LM's ``train_step`` takes it, on the fixed batch
+    :func:`tests.harness.mcore._batch` (token ids modulo the true vocabulary): zero the grad
+    buffers, forward to the per-token loss (mean), backward, ``finalize_model_grads`` (DDP's
+    grad sync: every grad scaled by 1/DP and summed over its DP group, expert-DP for the
+    experts at EP > 1; the TP all-reduce of sequence-parallel params' grads), the optimizer
+    step. Every rank sees the same batch and computes the same loss; returns it (the loss
+    of the weights before the step: it does not depend on the optimizer state)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    tok, labels = (t % MOE["vocab_size"] for t in M._batch(ITERATION))
+    pos = torch.arange(M.SEQ).expand(M.BATCH, M.SEQ)
+    mask = torch.triu(torch.ones(1, 1, M.SEQ, M.SEQ, dtype=torch.bool), 1)
+    ddp.train()
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    loss = ddp(tok, pos, mask, labels=labels).float().mean()
+    loss.backward()
+    finalize_model_grads([ddp])
+    ok, _, _ = opt.step()
+    assert ok
+    return loss.item()
 
 
 def _init(rank: int, port: int):
@@ -288,8 +356,8 @@ def _generate_worker(rank, cases, root, port):
         assert ok
         d = _dir(ps, Path(root) / name, c)
         d.mkdir(parents=True, exist_ok=True)
-        # collective; written where the dense or the expert DP rank is 0 (see the docstring)
-        opt.save_parameter_state(str(d / "distrib_optim.pt"))
+        if c["distopt"]:  # collective; written where the dense or the expert DP rank is 0
+            opt.save_parameter_state(str(d / "distrib_optim.pt"))
         if MM._writes_legacy(ps):
             torch.save({"args": megatron_args(c), "checkpoint_version": 3.0, "iteration": ITERATION,
                         "model": ddp.module.state_dict_for_save_checkpoint(),
@@ -301,7 +369,9 @@ def _generate_worker(rank, cases, root, port):
             (Path(root) / name / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
         truth = Path(root) / f"{name}.truth"
         truth.mkdir(exist_ok=True)
-        torch.save(_truth(ps, ddp, opt), truth / f"rank{rank}.pt")
+        dump = _truth(ps, ddp, opt, c)
+        dump["next_loss"] = _next_step(ddp, opt)  # the uninterrupted run goes on
+        torch.save(dump, truth / f"rank{rank}.pt")
         dist.barrier()
         ps.destroy_model_parallel()
     dist.destroy_process_group()
@@ -324,23 +394,30 @@ def _load_worker(rank, checkpoints, port):
         assert state["args"].tensor_model_parallel_size == c["tp"]
         assert state["args"].pipeline_model_parallel_size == c["pp"]
         assert state["args"].expert_model_parallel_size == c["ep"]
+        assert state["args"].expert_tensor_parallel_size == _etp(c)
         ddp.module.load_state_dict(state["model"], strict=True)
         opt.load_state_dict(state["optimizer"])
-        with torch.no_grad():  # fp32 masters are views of the parameters (leaves)
-            opt.load_parameter_state(str(d / "distrib_optim.pt"))
-        torch.save(_truth(ps, ddp, opt), Path(f"{ckpt}.loaded-rank{rank}.pt"))
+        if c["distopt"]:
+            with torch.no_grad():  # fp32 masters are views of the parameters (leaves)
+                opt.load_parameter_state(str(d / "distrib_optim.pt"))
+        dump = _truth(ps, ddp, opt, c)
+        dump["next_loss"] = _next_step(ddp, opt)
+        torch.save(dump, Path(f"{ckpt}.loaded-rank{rank}.pt"))
         dist.barrier()
         ps.destroy_model_parallel()
     dist.destroy_process_group()
 
 
 def generate(root: Path, cases: dict = CASES) -> None:
-    """Write each case's checkpoint at ``root/<case>`` and its truth at ``root/<case>.truth``."""
+    """Write each case's checkpoint at ``root/<case>`` and its truth at ``root/<case>.truth``
+    (the state as saved, and the ``next_loss`` of one more real step)."""
     M._spawn(_generate_worker, WORLD, cases, str(root))
 
 
 def load(checkpoints: list[Path]) -> list[list[dict]]:
-    """Load each checkpoint into real mcore at its own topology; each process's truth dump."""
+    """Load each checkpoint into real mcore at its own topology (with ``distrib_optim.pt``
+    where it was written with the distributed optimizer); each process's truth dump, with
+    the ``next_loss`` of the step :func:`generate` took after saving."""
     M._spawn(_load_worker, WORLD, [str(c) for c in checkpoints])
     return [[torch.load(f"{c}.loaded-rank{r}.pt", weights_only=False) for r in range(WORLD)]
             for c in checkpoints]
@@ -360,41 +437,51 @@ KINDS = ("param", "exp_avg", "exp_avg_sq")
 def canonical_state(dumps: list[dict]) -> dict:
     """(kind, global parameter name) -> the global fp32 tensor, for kind in :data:`KINDS`.
 
-    The DP (or expert-DP) ranks' flat shards of one local tensor are joined first (their
-    ranges must cover it exactly); then a parameter held by several (expert-)TP ranks is
-    concatenated on its partition dim in TP-rank order if TP-split (mcore's local layout,
-    not re-ordered), else all copies must be equal. Experts keep one entry per global
-    expert name (``...mlp.experts.local_experts.<global>.linear_fc1.weight``); nothing is
-    stacked."""
-    local: dict = {}  # (tp rank, name) -> entry
+    The distributed optimizer's DP (or expert-DP) ranks' flat shards of one local tensor are
+    joined first (their ranges must cover it exactly); the non-distributed optimizer's ranks
+    each hold a whole copy, and the copies must be equal. Then a parameter held by several
+    (expert-)TP ranks is joined on its partition dim if TP-split, cut back as
+    :func:`tests.harness.mcore_moe._randomize` cuts it (each piece is ``stride`` chunks,
+    piece r holding global chunks r, r + world, ...: a gated fc1's [gate_r; up_r]), so the
+    result is the global tensor; else all copies must be equal. Experts keep one entry per
+    global expert name (``...mlp.experts.local_experts.<global>.linear_fc1.weight``);
+    nothing is stacked."""
+    local: dict = {}  # (tp rank, name, copy) -> entry
     info: dict = {}
-    for dump in dumps:
-        for name, shape, expert, split, dim in dump["names"]:
-            info[name] = (tuple(shape), split, dim)
+    for i, dump in enumerate(dumps):
+        for name, _, _, split, dim, stride in dump["names"]:
+            world = dump["etp_size"] if _expert_name(name) else dump["tp_size"]
+            info[name] = (split, dim, stride, world)
         for name, (start, end, shape, tensors) in dump["shards"].items():
             tp_rank = dump["etp"] if _expert_name(name) else dump["tp"]
-            entry = local.setdefault((tp_rank, name), {"shape": shape, "seen": torch.zeros(
+            key = (tp_rank, name, 0 if dump["distopt"] else i)
+            entry = local.setdefault(key, {"shape": shape, "seen": torch.zeros(
                 torch.Size(shape).numel(), dtype=torch.int32)})
             for kind, t in tensors.items():
                 flat = entry.setdefault(kind, torch.zeros(torch.Size(shape).numel()))
                 flat[start:end] = t
             entry["seen"][start:end] += 1
-    parts: dict = {}
-    for (tp_rank, name), entry in sorted(local.items()):
+    parts: dict = {}  # name -> tp rank -> copies
+    for (tp_rank, name, _), entry in sorted(local.items()):
         assert torch.all(entry["seen"] == 1), f"{name}: DP shards do not cover it exactly once"
-        parts.setdefault(name, []).append(entry)
+        parts.setdefault(name, {}).setdefault(tp_rank, []).append(entry)
     out = {}
-    for name, entries in parts.items():
-        shape, split, dim = info[name]
+    for name, by_rank in parts.items():
+        split, dim, stride, world = info[name]
         for kind in KINDS:
-            tensors = [e[kind].view(e["shape"]) for e in entries]
-            if len(tensors) == 1:
-                out[(kind, name)] = tensors[0]
-            elif split:
-                out[(kind, name)] = torch.cat(tensors, dim=dim)
+            pieces = []
+            for _, copies in sorted(by_rank.items()):
+                tensors = [e[kind].view(e["shape"]) for e in copies]
+                assert all(torch.equal(tensors[0], x) for x in tensors), f"{name}: copies differ"
+                pieces.append(tensors[0])
+            if split:
+                assert len(pieces) == world, f"{name}: {len(pieces)} of {world} TP pieces"
+                chunks = [x.chunk(stride, dim=dim) for x in pieces]
+                out[(kind, name)] = torch.cat(
+                    [chunks[k % world][k // world] for k in range(stride * world)], dim=dim)
             else:
-                assert all(torch.equal(tensors[0], x) for x in tensors), name
-                out[(kind, name)] = tensors[0]
+                assert all(torch.equal(pieces[0], x) for x in pieces), name
+                out[(kind, name)] = pieces[0]
     return out
 
 
