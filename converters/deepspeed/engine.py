@@ -57,6 +57,8 @@ from ckptool.core.torchreader import save_target
 # registry picks its writer. It imports nothing from this module.
 from converters.deepspeed.pipe import PipeLayout, is_pipeline, read_pipeline
 from converters.deepspeed.zero import (
+    EXPERT_FILE,
+    EXPERT_NAME,
     MARK,
     MOMENTS,
     OPTIM_FILE,
@@ -68,7 +70,9 @@ from converters.deepspeed.zero import (
     ZeroReader,
     add_region,
     alignment_paddings,
+    Experts,
     check_sub_groups,
+    expert_groups,
     int_or_none,
     model_states_tree,
     optim_states_tree,
@@ -76,6 +80,7 @@ from converters.deepspeed.zero import (
     param_groups,
     parameter_alignment,
     rank_files,
+    rank_group,
     record_layout,
     source_state_key,
     uncarried_state,
@@ -139,11 +144,13 @@ class DeepSpeedReader(ZeroReader):
         join = (lambda n: f"{tag}/{n}") if tag else (lambda n: n)
         names = [n for n, d in store.ls(tag) if not d]
         experts = [n for n in names if _EXPERT_STATES.match(n)]
-        if experts:  # the experts' weights live in files of their own, never half-read
+        if experts and (is_pipeline(names) or not any(OPTIM_FILE.match(n) for n in names)
+                        or any(_ZERO_STATES.match(n) for n in names)):
             raise UnsupportedFormat(f"DeepSpeed MoE checkpoints (expert files such as {experts[0]}) "
-                                    "are not read yet", path=where,
+                                    "are read at ZeRO-1/2 only, not of a pipeline, stage-0 or ZeRO-3 "
+                                    "engine", path=where,
                                     hint="Nothing was read or written; reshard it with DeepSpeed at "
-                                         "the same EP until ckptool reads deepspeed.moe layers")
+                                         "the same EP, or save it at ZeRO-1/2")
         if is_pipeline(names):  # Megatron-DeepSpeed's layer files: canonical names already
             return read_pipeline(self, store, tag, names)
         zero3 = {int(m.group(1)): join(n) for n in names if (m := _ZERO_STATES.match(n))}
@@ -172,7 +179,11 @@ class DeepSpeedReader(ZeroReader):
         stage = 3 if zero3 else zero_stage(osd, ms)
         if osd is not None:
             _check_version(osd.get("ds_version") or ms.get("ds_version"), stage, where)
-        index = CheckpointIndex(format=NAME, url=store.url, topology=Topology(dp=dp, zero=stage),
+        layout = self._layout(store, tag, stage, first, optim, osd) if stage else None
+        if experts:
+            layout.experts = self._experts(store, tag, experts, layout, ms, dp, where)
+        ep = layout.experts.ep if layout is not None and layout.experts else 1
+        index = CheckpointIndex(format=NAME, url=store.url, topology=Topology(dp=dp, zero=stage, ep=ep),
                                 iteration=int_or_none(ms.get("global_steps")),
                                 format_version=str(ms.get("ds_version") or "") or None,
                                 written_by_ckptool=MARK in ms)
@@ -188,7 +199,6 @@ class DeepSpeedReader(ZeroReader):
                 index.set_layout(Stage0Module())
             return index
         model_rels = rank_files(zero3, dp, "ZeRO-3 model-states", where) if zero3 else [first]
-        layout = self._layout(store, tag, stage, first, optim, osd)
         index.unmapped = uncarried_state(
             (osd.get("base_optimizer_state", osd.get("optimizer_state_dict")) or {}).get("state"))
         record_layout(index, layout)
@@ -196,6 +206,8 @@ class DeepSpeedReader(ZeroReader):
         index.objects["optimizer.param_groups"] = ObjectInfo("optimizer.param_groups", value=layout.hyper)
         if stage < 3:
             self._read_module(store, index, first, ms, layout.shared)
+            if layout.experts is not None:
+                self._read_expert_files(store, index, tag, experts)
         else:
             self._read_zero3_model_states(store, index, model_rels, layout)
             dtypes = {dtype for name, _, dtype in layout.module if name in layout.trainable}
@@ -257,6 +269,73 @@ class DeepSpeedReader(ZeroReader):
             hyper=[{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]],
             steps=[archive.materialize(base["state"][g].get("step")) for g in range(len(groups))],
             fragment_type=type(fragments[0]) if fragments else None, align=align)
+
+    def _experts(self, store, tag, files, layout, ms, dp, where) -> Experts:
+        """deepspeed.moe's layout (:class:`~converters.deepspeed.zero.Experts`) from the MoE
+        param groups and the expert files, checked against each other."""
+        moe = [g for g, h in enumerate(layout.hyper) if h.get("moe")]
+        sizes = {str(layout.hyper[g].get("name")) for g in moe}
+        found = [re.fullmatch(r"ep_size_(\d+)", n) for n in sizes]
+        if not moe or len(sizes) != 1 or not found[0]:
+            raise UnreadableInput(f"the expert files' MoE param groups are named {sorted(sizes)}: one "
+                                  "EP size (ep_size_N) is read", path=where)
+        ep = int(found[0].group(1))
+        by_layer: dict[int, dict[int, str]] = {}
+        for n in files:
+            m = EXPERT_FILE.match(n)
+            if m is None or m.group(3) != "00":
+                raise UnreadableInput(f"expert file {n} is not layer_L_expert_E_mp_rank_00", path=where)
+            by_layer.setdefault(int(m.group(1)), {})[int(m.group(2))] = f"{tag}/{n}" if tag else n
+        if sorted(by_layer) != list(range(len(by_layer))):
+            raise BadCheckpoint(f"expert files are for MoE layers {sorted(by_layer)}", path=where)
+        layers, num_experts = [], {}
+        for L in range(len(by_layer)):
+            rels = by_layer[L]
+            if sorted(rels) != list(range(len(rels))) or len(rels) % ep or dp % ep:
+                raise BadCheckpoint(f"MoE layer {L} has expert files {sorted(rels)}: not every expert of "
+                                    f"an EP{ep} run of DP{dp}", path=where)
+            entries = None
+            for e, rel in sorted(rels.items()):
+                obj = self._load(store, rel).obj
+                if not isinstance(obj, dict) or not all(isinstance(v, TensorRef) for v in obj.values()):
+                    raise BadCheckpoint("expert file is not a state dict of tensors", path=store.display(rel))
+                mine = []
+                for key, ref in obj.items():
+                    m = EXPERT_NAME.match(key)
+                    if m is None or int(m["j"]) != e:
+                        raise BadCheckpoint(f"{key} is not a parameter of expert {e}", path=store.display(rel))
+                    mine.append((m["prefix"], m["rest"], tuple(ref.shape), ref.dtype))
+                if entries is None:
+                    entries = mine
+                elif mine != entries:
+                    raise BadCheckpoint(f"expert {e} has other parameters than expert 0", path=store.display(rel))
+            prefixes = {p for p, *_ in entries}
+            if len(prefixes) != 1 or next(iter(prefixes)) in num_experts:
+                raise BadCheckpoint(f"the expert files of MoE layer {L} name {len(prefixes)} modules", path=where)
+            prefix = prefixes.pop()
+            num_experts[prefix] = len(rels)
+            layers.append((prefix, tuple((rest, shape, dtype) for _, rest, shape, dtype in entries)))
+        stored = ms.get("num_experts")
+        if stored is not None and list(stored) != [num_experts[p] for p, _ in layers]:
+            raise BadCheckpoint(f"model states say num_experts {stored}, the expert files hold "
+                                f"{[num_experts[p] for p, _ in layers]}", path=where)
+        out = Experts(ep, tuple(moe), num_experts, tuple(layers))
+        try:
+            rebuilt = expert_groups(layout.groups, moe, ep, ep)
+        except UnreadableInput as exc:
+            raise UnreadableInput(exc.message, path=where) from None
+        if rebuilt != layout.groups or any(EXPERT_NAME.match(n)["prefix"] not in num_experts
+                                           for g in moe for n, _ in layout.groups[g]):
+            raise UnreadableInput("the MoE param groups are not each MoE layer's local experts in "
+                                  "order, which is the layout ckptool reads", path=where)
+        return out
+
+    def _read_expert_files(self, store, index, tag, files) -> None:
+        """The experts' weights: each expert file's tensors, under their global names."""
+        for n in files:
+            rel = f"{tag}/{n}" if tag else n
+            for key, ref in self._load(store, rel).obj.items():
+                add_region(index, key, ref, Region.whole(key, ref.shape), rel, (key,), 0)
 
     def _read_stage0_optimizer(self, store, index, tag, rel, ms, aliases) -> None:
         """A stage-0 engine's optimizer: the client's torch optimizer state dict, which numbers
@@ -363,7 +442,12 @@ class DeepSpeedReader(ZeroReader):
                 shard, weights = zero3_partition(group, dp, rank), None
                 fp32_len = shard.shape[0]
             else:
-                shard, pad = zero_partition(group, dp, rank, align=layout.align)
+                flat, count, part, _ = rank_group(layout, g, dp, rank)
+                if layout.experts is not None and (osd.get("partition_count") or [None] * (g + 1))[g] != count:
+                    raise BadCheckpoint(f"param group {g} is cut into {osd.get('partition_count')} "
+                                        f"partitions, the ZeRO rule at DP{dp}/EP{layout.experts.ep} "
+                                        f"says {count}", path=source)
+                shard, pad = zero_partition(flat, count, part, align=layout.align)
                 weights, fp32_len = "fp32_param", shard.shape[0] - (0 if layout.bf16_optimizer else pad)
                 paddings = osd.get("group_paddings") or []
                 if not layout.bf16_optimizer and (len(paddings) <= g or paddings[g] != pad):
@@ -527,6 +611,11 @@ class ModelStatesFile:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpertStatesFile:
+    """``layer_L_expert_E_mp_rank_00_model_states.pt``: one expert's weights, global names."""
+
+
+@dataclass(frozen=True, slots=True)
 class OptimStatesFile:
     """``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``: DP rank ``rank``'s partitions, and
     the tail padding of each param group's (``group_paddings``)."""
@@ -567,12 +656,23 @@ class DeepSpeedWriter(Writer):
     def target_topology(self, source: Topology, changes: dict) -> Topology:
         return replace(source, **changes)  # checked by target_spec, which sees the source's kind
 
-    def _check_topology(self, source: Topology, target: Topology) -> None:
-        for axis in ("tp", "pp", "ep", "vpp"):
+    def _check_topology(self, source: Topology, target: Topology, experts: Experts | None = None) -> None:
+        for axis in ("tp", "pp", "vpp") if experts else ("tp", "pp", "ep", "vpp"):
             if getattr(target, axis) != 1:
                 raise TopologyError(f"DeepSpeed output with {axis.upper()}{getattr(target, axis)} is "
                                     "not supported yet", hint="Only mp=1 engines without pipeline "
-                                    "are written; keep --to-tp 1 --to-pp 1")
+                                    "are written; keep --to-tp 1 --to-pp 1" +
+                                    ("" if experts or axis != "ep" else "; EP needs deepspeed.moe experts"))
+        if experts is None:
+            return
+        if target.zero not in (1, 2):
+            raise TopologyError(f"DeepSpeed MoE engines are written at ZeRO-1/2, not {target.zero}",
+                                hint="Pass --to-zero 1 or 2")
+        for prefix, n in experts.num_experts.items():
+            if n % target.ep:
+                raise TopologyError(f"the {n} experts of {prefix[:-1]} must be divisible by EP "
+                                    f"({target.ep})", hint="EP sizes that work: " +
+                                    ", ".join(str(e) for e in range(1, n + 1) if n % e == 0 and target.dp % e == 0))
 
     def target_spec(self, index, source, target, true_vocab_size):
         if self.param_groups is not None and index.layout(FreshState) is None:
@@ -587,8 +687,8 @@ class DeepSpeedWriter(Writer):
 
     def engine_layout(self, index: CheckpointIndex, source: Topology, target: Topology) -> Layout:
         """The structure of the engine written: the source's (:class:`Layout`), checked."""
-        self._check_topology(source, target)
         layout = index.layout(Layout)
+        self._check_topology(source, target, layout.experts if layout is not None else None)
         if layout is None:
             if index.layout(Stage0Module) is not None:
                 raise TopologyError("this stage-0 checkpoint holds no optimizer state: it loads "
@@ -612,10 +712,26 @@ class DeepSpeedWriter(Writer):
                              "files, so --drop-optimizer cannot apply", path=index.url,
                              hint="Convert to hf or dcp for the weights alone")
         self._with_optimizer = with_optimizer
-        layout = self._target = ordered_for(self._source, index.topology, topo)
+        layout = ordered_for(self._source, index.topology, topo)
+        experts = layout.experts
+        if experts is not None:  # the target's local experts per MoE group and its expert files
+            if layout is not self._source:
+                raise UsageError("round_robin_gradients with deepspeed.moe experts is not written yet",
+                                 path=index.url)
+            layout = replace(layout, groups=expert_groups(layout.groups, experts.groups, experts.ep, topo.ep),
+                             experts=experts.at(topo.ep))
+        self._target = layout
         tag, files = layout.tag, []
         if topo.zero < 3:
             files.append(self._model_file(f"{tag}/mp_rank_00_model_states.pt", index, layout, topo, 0))
+        for L, (prefix, entries) in enumerate(experts.layers if experts else ()):
+            for e in range(experts.num_experts[prefix]):
+                target = TargetFile(f"{tag}/layer_{L}_expert_{e}_mp_rank_00_model_states.pt",
+                                    context=ExpertStatesFile())
+                for rest, shape, dtype in entries:
+                    key = f"{prefix}{e}{rest}"
+                    target.tensors.append(TargetTensor(("expert", key), Shard.of(Region.whole(key, shape)), dtype))
+                files.append(target)
         if topo.zero == 0:  # stage 0: the model states hold the optimizer too
             return files
         prefix = "bf16_" if layout.bf16_files else ""
@@ -665,7 +781,8 @@ class DeepSpeedWriter(Writer):
             if topo.zero == 3:
                 shard, pad, fp32_len = zero3_partition(group, topo.dp, rank), 0, None
             else:
-                shard, pad = zero_partition(group, topo.dp, rank, align=layout.align)
+                flat, count, part, _ = rank_group(layout, g, topo.dp, rank)
+                shard, pad = zero_partition(flat, count, part, align=layout.align)
                 fp32_len = shard.shape[0] - (0 if layout.bf16_optimizer else pad)
             target.context.pads.append(pad)
             for kind in (*MOMENTS, "fp32_param"):
@@ -681,6 +798,8 @@ class DeepSpeedWriter(Writer):
         layout = self._target
         ctx = target.context
         pending = {t.name: Pending(t.name, t.shard.shape, t.dtype) for t in target.tensors}
+        if isinstance(ctx, ExpertStatesFile):
+            return save_target(store, target, {t.name[1]: pending[t.name] for t in target.tensors}, produce)
         tree = model_states_tree(layout, ctx.topo, ctx.rank, pending) if isinstance(ctx, ModelStatesFile) \
             else optim_states_tree(layout, ctx.topo, ctx.rank, ctx.pads, pending)
         return save_target(store, target, tree, produce)

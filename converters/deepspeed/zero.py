@@ -156,6 +156,84 @@ def round_robin_undone(group: Group, dp: int) -> Group:
     return out
 
 
+EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.deepspeed_experts\.)(?P<j>\d+)(?P<rest>\..+)$")
+EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d{2})_model_states\.pt$")
+"""deepspeed.moe's expert files: one per (MoE layer, global expert), the expert's parameters
+under their global names."""
+
+
+@dataclass(frozen=True)
+class Experts:
+    """``deepspeed.moe.layer.MoE``'s layout rule (DeepSpeed 0.19.8, ZeRO-1/2, mp=1).
+
+    ``split_params_into_different_moe_groups_for_optimizer`` puts the experts' parameters in
+    param groups of their own (``moe: True``, ``name: ep_size_{EP}``). EP ranks are
+    consecutive DP ranks: DP rank r is EP rank ``r % EP`` and expert-DP rank ``r // EP``, so a
+    MoE group's flat buffer holds EP rank e's local experts ``e·E/EP + j`` and is cut into
+    ``DP/EP`` partitions over the expert-DP group (:func:`rank_group`). ``param_shapes`` and
+    ``param_slice_mappings`` name the local experts ``deepspeed_experts.{j}`` (EP rank 0's
+    names); the weights are in the expert files under global names; the model states'
+    ``module`` holds the dense parameters only."""
+
+    ep: int
+    groups: tuple[int, ...]
+    """The MoE param groups."""
+    num_experts: dict[str, int]
+    """Each MoE layer's expert prefix (``...deepspeed_experts.``) -> its number of experts."""
+    layers: tuple[tuple[str, tuple[tuple[str, tuple[int, ...], torch.dtype], ...]], ...]
+    """Each MoE layer (``layer_{L}``, in order): its prefix and one expert file's entries
+    (the name after the expert index, shape, dtype)."""
+
+    def global_name(self, name: str, ep_rank: int) -> str:
+        """Local expert name -> the global one on EP rank ``ep_rank``; others unchanged."""
+        m = EXPERT_NAME.match(name)
+        if m is None or m["prefix"] not in self.num_experts:
+            return name
+        local = self.num_experts[m["prefix"]] // self.ep
+        return f"{m['prefix']}{ep_rank * local + int(m['j'])}{m['rest']}"
+
+    def at(self, ep: int) -> "Experts":
+        return replace(self, ep=ep)
+
+
+def expert_groups(groups: list[Group], moe: list[int], ep: int, target: int) -> list[Group]:
+    """The param groups (``param_shapes``: EP rank 0's local expert names) of an engine at EP
+    ``target`` from those at EP ``ep``: each MoE layer's block of local experts holds
+    ``E/target`` experts of the same parameters, in the same order."""
+    out = []
+    for g, group in enumerate(groups):
+        if g not in moe:
+            out.append(group)
+            continue
+        blocks: dict[str, dict[int, list]] = {}
+        for name, shape in group:
+            m = EXPERT_NAME.match(name)
+            if m is None:
+                raise UnreadableInput(f"MoE param group {g} holds {name}, not an expert parameter")
+            blocks.setdefault(m["prefix"], {}).setdefault(int(m["j"]), []).append((m["rest"], shape))
+        rebuilt = []
+        for prefix, experts in blocks.items():
+            first = experts.get(0)
+            if sorted(experts) != list(range(len(experts))) or any(v != first for v in experts.values()):
+                raise UnreadableInput(f"the local experts of {prefix[:-1]} in MoE param group {g} do "
+                                      "not all have the same parameters")
+            local = len(experts) * ep // target
+            rebuilt += [(f"{prefix}{j}{rest}", shape) for j in range(local) for rest, shape in first]
+        out.append(rebuilt)
+    return out
+
+
+def rank_group(layout: "Layout", g: int, dp: int, rank: int) -> tuple[Group, int, int, Group]:
+    """``(param group g's flat order on DP rank rank under global names, its number of
+    partitions, this rank's partition, the names DeepSpeed records)``: a dense group is cut over
+    DP, a MoE group (:class:`Experts`) over expert-DP, holding the rank's EP rank's experts."""
+    group, experts = layout.groups[g], layout.experts
+    if experts is None or g not in experts.groups:
+        return group, dp, rank, group
+    return ([(experts.global_name(n, rank % experts.ep), s) for n, s in group], dp // experts.ep,
+            rank // experts.ep, group)
+
+
 @dataclass
 class Layout:
     """What a DeepSpeed writer needs beyond the tensors: the source's structure and the
@@ -188,6 +266,8 @@ class Layout:
     """A bf16/fp16 stage-0 source's FP16_UnfusedOptimizer entries beside its torch state dict
     and masters (``dynamic_loss_scale``, ``cur_scale``, ``cur_iter``...); None elsewhere
     (:func:`_unfused_scaler` derives them from a ZeRO source)."""
+    experts: Experts | None = None
+    """deepspeed.moe's experts (their param groups, layers and files); None without MoE."""
 
     @property
     def trainable(self) -> set[str]:
@@ -216,7 +296,7 @@ def record_layout(index: CheckpointIndex, layout: Layout) -> None:
     """Record a ZeRO/stage-0 source's :class:`Layout` and, for the writers of other
     frameworks (Megatron's optimizer from a DeepSpeed one), its param groups."""
     index.set_layout(layout)
-    if layout.hyper:
+    if layout.hyper and layout.experts is None:  # MoE groups are not another framework's
         index.set_layout(ParamGroups({0: layout.groups}, layout.hyper, layout.steps))
 
 
@@ -422,9 +502,11 @@ def _unfused_scaler(layout: Layout) -> dict:
 def optim_states_tree(layout: Layout, topo: Topology, rank: int, pads: list[int], pending: dict) -> dict:
     """One rank's optimizer file: the source's entries, the per-rank ones rewritten."""
     groups = range(len(layout.groups))
+    hyper = [dict(h, name=f"ep_size_{layout.experts.ep}") if layout.experts and g in layout.experts.groups
+             else h for g, h in enumerate(layout.hyper)]  # DeepSpeed finds a MoE group's EP group by it
     state = {"state": {g: {"step": layout.steps[g],
                            **{k: pending[(g, k)] for k in MOMENTS}} for g in groups},
-             "param_groups": [dict(h, params=[g]) for g, h in zip(groups, layout.hyper)]}
+             "param_groups": [dict(h, params=[g]) for g, h in zip(groups, hyper)]}
     masters = [pending[(g, "fp32_param")] for g in groups]
     osd = dict(layout.osd)
     if "zero_stage" in osd and topo.zero != layout.stage:
@@ -442,14 +524,15 @@ def optim_states_tree(layout: Layout, topo: Topology, rank: int, pads: list[int]
         osd.update(optimizer_state_dict=state, fp32_flat_groups=masters, partition_count=topo.dp)
     else:
         last = rank == topo.dp - 1
+        cuts = [rank_group(layout, g, topo.dp, rank) for g in groups]
         osd.update(base_optimizer_state=state, single_partition_of_fp32_groups=masters,
-                   partition_count=[topo.dp] * len(groups),
+                   partition_count=[count for _, count, _, _ in cuts],
                    group_paddings=[(pending[(g, "exp_avg")].shape[0] * topo.dp
                                     - sum(math.prod(s) for _, s in layout.groups[g])) * last
                                    for g in groups] if layout.bf16_optimizer else list(pads))
         if layout.fragment_type is not None:
-            osd["param_slice_mappings"] = [_fragments(layout.fragment_type, group, topo.dp, rank,
-                                                      layout.align) for group in layout.groups]
+            osd["param_slice_mappings"] = [_fragments(layout.fragment_type, names, count, part,
+                                                      layout.align) for _, count, part, names in cuts]
     tree = dict(layout.optim_file)
     tree["optimizer_state_dict"] = osd
     if "ds_config" in tree:
