@@ -236,10 +236,6 @@ CASES = [
         c, lambda m: m["files"][0].update(path="../outside/x")), "leaves the checkpoint"),
     Case("manifest-entry-size", "sealed", lambda c: _edit_manifest(
         c, lambda m: m["files"][0].update(size=-1)), "has size -1"),
-    Case("manifest-model-config-unknown", "sealed", lambda c: _edit_manifest(
-        c, lambda m: m.update(model_config={"num_layers": 2, "hidden_size": 8, "num_attention_heads": 2,
-                                            "vocab_size": 10, "__class__": "os.system"})),
-         "model_config has fields ckptool does not know: __class__"),
     Case("manifest-entry-hash", "sealed", lambda c: _edit_manifest(
         c, lambda m: m["files"][0].update(xxh3_128="abc")), "has no xxh3-128 hash"),
     # ---- pointers to what is not there
@@ -504,3 +500,24 @@ def test_hub_cache_snapshot_reads_its_own_blobs(sources, tmp_path, run_cli):
     os.symlink(os.path.relpath(outside, snapshot), shard)
     res = run_cli("inspect", snapshot)
     assert res.code == 1 and "outside the checkpoint" in res.err, res.err
+
+
+@pytest.mark.parametrize("config,says", [
+    ({"num_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "vocab_size": 10, "__class__": "os.system"},
+     "fields ckptool does not know: __class__"),
+    ({"vocab_size": 97, "hidden_size": 32}, "missing 2 required positional arguments"),
+])
+def test_a_manifest_model_config_that_is_no_model_is_refused_where_a_layout_is_needed(
+        config, says, sources, tmp_path, run_cli):
+    """The hook records the job's own model_config, any dict: it is read as it is, and what
+    needs the layout rules (convert to hf or megatron, plan) refuses it in one line, exit 2."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(sources["sealed"], ckpt)
+    _edit_manifest(Scratch(tmp_path, ckpt, None, None, None), lambda m: m.update(model_config=config))
+    assert run_cli("inspect", ckpt).code == 0
+    for cmd in (["convert", ckpt, tmp_path / "hf", "--to", "hf"],
+                ["convert", ckpt, tmp_path / "meg", "--to", "megatron"], ["plan", "--model", ckpt, "--gpus", 8, "--tp", 1, "--pp", 1]):
+        res = run_cli(*cmd)
+        lines = res.err.strip().splitlines()
+        assert res.code == 2 and len(lines) == 1 and says in lines[0] and "Traceback" not in res.err, res.err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "meg").exists()

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import converters
 from ckptool.core.errors import CkptoolError, UnknownFormat
 from ckptool.core.index import CheckpointIndex, Reader
-from ckptool.core.layout import spec_from_config
 from ckptool.core.manifest import Manifest, read_manifest
 from ckptool.core.safe_pickle import trusted
 from ckptool.core.storage import Store, is_temporary
@@ -138,7 +137,6 @@ def merge_manifest(index: CheckpointIndex, manifest: Manifest | None) -> Checkpo
     if manifest.topology:  # what ckptool recorded when it wrote the checkpoint wins
         index.topology = Topology.from_dict(manifest.topology)
     if index.model_config is None and manifest.model_config:
-        spec_from_config(manifest.model_config, index.url)  # untrusted: a ModelSpec, or refused here
         index.model_config = manifest.model_config
     if index.iteration is None:
         index.iteration = manifest.iteration

@@ -33,7 +33,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from ckptool.core.errors import BadCheckpoint, TopologyError
+from ckptool.core.errors import TopologyError, UnreadableInput
 from ckptool.core.regions import Region, Shard
 from ckptool.core.topology import Topology
 
@@ -168,18 +168,20 @@ class ModelSpec:
         return padded_vocab(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
 
-def spec_from_config(config: dict, where: str | None = None) -> ModelSpec:
-    """The :class:`ModelSpec` a stored ``model_config`` (a manifest's) describes; a config with
-    fields no ModelSpec has, or without the required ones, is a bad checkpoint naming them."""
+def model_spec(config: dict, where: str | None = None) -> ModelSpec:
+    """The :class:`ModelSpec` a stored ``model_config`` describes. A manifest's is the
+    training job's own dict (the hook takes any), so one that is not a ModelSpec (unknown or
+    missing fields) is refused here, naming them, where the layout rules are needed."""
     fields = ModelSpec.__dataclass_fields__
-    unknown = sorted(k for k in config if k not in fields)
+    unknown = sorted(str(k) for k in config if k not in fields)
     if unknown:
-        raise BadCheckpoint(f"model_config has fields ckptool does not know: {', '.join(map(str, unknown[:5]))}",
-                            path=where, hint="Was it written by a newer ckptool? Upgrade ckptool")
+        raise UnreadableInput(f"the checkpoint's model_config is not a model ckptool lays out: it has "
+                              f"fields ckptool does not know: {', '.join(unknown[:5])}", path=where)
     try:
         return ModelSpec(**config)
     except (TypeError, ValueError) as exc:
-        raise BadCheckpoint(f"model_config does not describe a model: {exc}", path=where) from None
+        raise UnreadableInput(f"the checkpoint's model_config is not a model ckptool lays out: {exc}",
+                              path=where) from None
 
 
 def padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ckptool.checkpoints.open import open_checkpoint
 from ckptool.core.errors import TopologyError, UsageError
-from ckptool.core.layout import ModelSpec, ep_sizes, global_params, layout, stage_layers
+from ckptool.core.layout import ModelSpec, ep_sizes, global_params, layout, model_spec, stage_layers
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from converters.schemas.hf import family_of_config, spec_from_config
@@ -226,7 +226,7 @@ def model_from(path: str) -> tuple[ModelSpec, Topology | None]:
     if index.model_config is None:
         raise UsageError("the checkpoint does not say what model it holds", path=path,
                          hint="Give --params N or a config.json")
-    return ModelSpec(**index.model_config), index.topology
+    return model_spec(index.model_config, index.url), index.topology
 
 
 def _spec_from_json(config: dict, path: str) -> ModelSpec:

@@ -30,7 +30,7 @@ from ckptool.core.index import (
     TensorInfo,
     Writer,
 )
-from ckptool.core.layout import ModelSpec
+from ckptool.core.layout import ModelSpec, model_spec
 from ckptool.core.manifest import HashingWriter
 from ckptool.core.optimizer import state_shard
 from ckptool.core.regions import Region, Shard
@@ -208,7 +208,7 @@ class HfWriter(Writer):
             raise UsageError("the source does not say what model it holds", path=index.url,
                              hint="Pass --model-config CONFIG.json (the model's Hugging Face "
                                   "config) if it is an HF model")
-        spec = ModelSpec(**index.model_config)
+        spec = model_spec(index.model_config, index.url)
         vocab = true_vocab_size or index.true_vocab_size or spec.global_vocab_rows
         if vocab > spec.global_vocab_rows:
             raise UsageError(f"the vocabulary ({vocab}) exceeds the {spec.global_vocab_rows} stored rows")

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from ckptool.core.errors import UnreadableInput, UsageError
 from ckptool.core.index import CheckpointIndex
-from ckptool.core.layout import ModelSpec, padded_vocab
+from ckptool.core.layout import ModelSpec, model_spec, padded_vocab
 from ckptool.core.topology import Topology
 
 # ------------------------------------------------------------------------------- args
@@ -187,7 +187,7 @@ def feature_notes(index: CheckpointIndex) -> list[str]:
     """What a Megatron job resuming from an output with these features must run with."""
     if index.model_config is None:
         return []
-    spec, notes = ModelSpec(**index.model_config), []
+    spec, notes = model_spec(index.model_config, index.url), []
     if spec.window_size is not None:
         notes.append(f"sliding window {spec.window_size} written as --window-size {spec.window_size - 1} 0: "
                      "Transformer Engine's attention and the unfused softmax apply it, Megatron-Core's "
@@ -417,7 +417,7 @@ def target_spec(index, source: Topology, target: Topology, true_vocab_size: int 
     """The model of ``index`` laid out for ``target`` (vocab padding checked; ``first`` /
     ``last``: an uneven pipeline split for the target)."""
 
-    spec = ModelSpec(**index.model_config)
+    spec = model_spec(index.model_config, index.url)
     refuse_unexpressed(spec, "Megatron", index.url)
     known = index.true_vocab_size is not None
     if true_vocab_size:
