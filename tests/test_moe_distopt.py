@@ -17,6 +17,7 @@ from tests.conftest import peer
 
 peer("megatron.core")
 
+from tests.harness import mcore_moe_dist_distopt as HD  # noqa: E402
 from tests.harness import mcore_moe_distopt as H  # noqa: E402
 
 
@@ -111,7 +112,55 @@ def test_a_missing_expert_state_is_a_clear_refusal(runs, tmp_path, run_cli):
     assert not (tmp_path / "out").exists()
 
 
-def test_torch_dist_with_the_chained_optimizer_is_refused_not_half_written(runs, tmp_path, run_cli):
-    r = run_cli("convert", runs / "ep2", tmp_path / "dist", "--to", "megatron-dist", "--ep", 2, "--dp", 2)
-    assert r.code == 2 and "not written as torch_dist yet" in r.err, r.err
-    assert not (tmp_path / "dist").exists()
+# ------------------------------------------------------------------------------ torch_dist
+
+
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory):
+    """The same runs saved by Megatron-LM's torch_dist save (ChainedOptimizer at EP > 1), in
+    both distributed-optimizer forms."""
+    root = tmp_path_factory.mktemp("moe_dist_distopt")
+    HD.generate(root, HD.cases(("ep2", "ep1"), HD.FORMS))
+    return root
+
+
+@pytest.mark.parametrize("case,to", [("ep2", 1), ("ep1", 2), ("ep2", 2)])
+def test_torch_dist_fully_reshardable_reshards_across_ep_and_loads_in_megatron_core(
+        dist_runs, case, to, tmp_path, run_cli):
+    """Megatron-Core itself does not load its EP2 torch_dist optimizer at EP1 (or the other
+    way: the chained {0, 1} param groups against one optimizer's); ckptool's output at the
+    new EP loads through Megatron-LM's torch_dist load path, bit-equal, the same next loss."""
+    src = dist_runs / f"{case}-fully_reshardable"
+    dst = tmp_path / "out"
+    r = run_cli("reshard", src, dst, "--to-ep", to, "--to-dp", 2)
+    assert r.code == 0, r.err
+    loaded, = HD.load([dst], no_rng=True)  # torch_dist outputs carry no RNG state yet (#19)
+    saved = HD.truth(dist_runs, f"{case}-fully_reshardable")
+    assert {d["ep"] for d in loaded} == set(range(to))
+    assert_equal_states(H.canonical_state(loaded), H.canonical_state(saved))
+    assert abs(loaded[0]["next_loss"] - saved[0]["next_loss"]) / abs(saved[0]["next_loss"]) < 1e-5
+
+
+def test_torch_dist_and_legacy_distributed_optimizers_convert_into_each_other(
+        runs, dist_runs, tmp_path, run_cli):
+    """torch_dist (EP2) -> legacy at EP1, and legacy (EP2) -> torch_dist at EP2, each loaded by
+    mcore's own loader of the target format, bit-equal."""
+    legacy = tmp_path / "legacy"
+    r = run_cli("convert", dist_runs / "ep2-fully_reshardable", legacy, "--to", "megatron", "--ep", 1, "--dp", 2)
+    assert r.code == 0, r.err
+    want = H.canonical_state(HD.truth(dist_runs, "ep2-fully_reshardable"))
+    assert_equal_states(H.canonical_state(H.load([legacy])[0]), want)
+    dist = tmp_path / "dist"
+    r = run_cli("convert", runs / "ep2", dist, "--to", "megatron-dist", "--ep", 2, "--dp", 2)
+    assert r.code == 0, r.err
+    loaded, = HD.load([dist], no_rng=True)
+    assert_equal_states(H.canonical_state(loaded), H.canonical_state(H.truth(runs, "ep2")))
+
+
+def test_dp_reshardable_chained_buckets_are_refused_and_the_weights_still_convert(dist_runs, tmp_path, run_cli):
+    src = dist_runs / "ep2-dp_reshardable"
+    r = run_cli("reshard", src, tmp_path / "out", "--to-ep", 1, "--to-dp", 2)
+    assert r.code == 2 and "'dp_reshardable'" in r.err and "--drop-optimizer" in r.err, r.err
+    assert not (tmp_path / "out").exists()
+    r = run_cli("reshard", src, tmp_path / "w", "--to-ep", 1, "--to-dp", 2, "--drop-optimizer")
+    assert r.code == 0, r.err

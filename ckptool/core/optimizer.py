@@ -17,6 +17,7 @@ Also here, because several frameworks follow them:
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -34,7 +35,17 @@ from ckptool.core.storage import Store
 KINDS = ("exp_avg", "exp_avg_sq", "fp32_param")
 PREFIX = "optimizer.state."
 OPTIMIZER_PREFIX = "optimizer."
-"""Every optimizer entry of an index (state tensors and the rest) starts with it."""
+"""Every optimizer entry of an index (state tensors and the rest) starts with it, or with a
+sub-optimizer's prefix and it (:func:`is_optimizer_key`)."""
+_SUB_OPTIMIZER = re.compile(r"^chained_\d+\.optimizer\.")
+"""A ChainedOptimizer's sub-optimizer entries as Megatron-Core stores them unmapped
+(``chained_{i}.optimizer.distributed...``)."""
+
+
+def is_optimizer_key(key: str) -> bool:
+    """Whether a global tensor of an index is optimizer state (mapped or not): what
+    ``--drop-optimizer`` drops."""
+    return key.startswith(OPTIMIZER_PREFIX) or _SUB_OPTIMIZER.match(key) is not None
 
 
 def state_key(kind: str, canonical: str) -> str:

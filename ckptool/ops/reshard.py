@@ -24,7 +24,7 @@ from ckptool.checkpoints.open import (
 from ckptool.core.engine import bytes_read
 from ckptool.core.errors import UnsupportedFormat, UsageError
 from ckptool.core.layout import check as check_layout
-from ckptool.core.optimizer import OPTIMIZER_PREFIX, FreshReader, fresh_state, state_key
+from ckptool.core.optimizer import FreshReader, fresh_state, is_optimizer_key, state_key
 from ckptool.ops.write import WriteJob, write_output
 from converters.schemas.hf import refuse_uncarried_config
 from converters.schemas.megatron_args import refuse_uncarried_args
@@ -203,7 +203,7 @@ def rewrite(opened: Opened, dst: str, fmt: str, options: RewriteOptions,
                        with_optimizer=not options.drop_optimizer)
     weights_only = options.drop_optimizer or not writer.holds_optimizer
     _refuse_unwritten(index, plan, fmt, weights_only)
-    dropped_tensors = sum(k.startswith(OPTIMIZER_PREFIX) for k in index.tensors) if weights_only else 0
+    dropped_tensors = sum(is_optimizer_key(k) for k in index.tensors) if weights_only else 0
     if dropped_tensors and not uncarried:
         uncarried = f"optimizer state ({dropped_tensors} tensors)"
     result = ReshardResult(
@@ -232,7 +232,7 @@ def _fresh_optimizer(opened: Opened, writer: type) -> Opened:
                          hint="Megatron builds a fresh optimizer itself when it loads weights only "
                               "(--finetune or --no-load-optim); a DCP job builds its own. "
                               "Supported: deepspeed")
-    held = sum(k.startswith(OPTIMIZER_PREFIX) for k in opened.index.tensors)
+    held = sum(is_optimizer_key(k) for k in opened.index.tensors)
     if held or opened.index.unmapped:
         raise UsageError(f"the source holds optimizer state already ({held} tensors); "
                          "--init-optimizer would replace it", path=opened.store.url,
@@ -247,10 +247,10 @@ def _refuse_unwritten(index, plan, fmt: str, drop_optimizer: bool) -> None:
     used = {r.key for f in plan for t in f.tensors for r in t.shard.regions}
     used |= {k for k in index.tensors if state_key("fp32_param", k) in used}  # masters stood in
     left = sorted(k for k in index.tensors if k not in used
-                  and not (drop_optimizer and k.startswith(OPTIMIZER_PREFIX)))
+                  and not (drop_optimizer and is_optimizer_key(k)))
     if not left:
         return
-    optimizer = all(k.startswith(OPTIMIZER_PREFIX) for k in left)
+    optimizer = all(is_optimizer_key(k) for k in left)
     raise UsageError(
         f"{len(left)} source tensors have no place in the {fmt} output, e.g. {', '.join(left[:3])}"
         + (" (optimizer state this writer cannot lay out from this source)" if optimizer else ""),

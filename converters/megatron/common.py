@@ -141,13 +141,20 @@ def _read_common_entries(common: dict, index: CheckpointIndex, source: str) -> N
         index.true_vocab_size = spec.vocab_size if known else None
 
 
+def distopt_chained(value) -> bool:
+    """common.pt's optimizer entry of a ChainedOptimizer of distributed optimizers (a MoE
+    model at EP > 1): ``{0: dense entry, 1: expert entry}``, each naming its sharding type."""
+    return isinstance(value, dict) and sorted(value) == [0, 1] and all(
+        isinstance(v, dict) and "param_state_sharding_type" in v for v in value.values())
+
+
 def _read_optimizer(value, index: CheckpointIndex, source: str, distributed=None) -> None:
     """The optimizer's step, param groups and grad scaler: the same canonical object
     as the legacy reader's; or, when they cannot be mapped, the reason (kept raw under
     ``OPTIMIZER_COMMON`` for inspect, never written back)."""
     try:
-        if distributed is not None and isinstance(value, dict) and \
-                "param_state_sharding_type" in value:
+        if distributed is not None and isinstance(value, dict) and (
+                "param_state_sharding_type" in value or distopt_chained(value)):
             distributed(value, index, source)
             return
         index.set_layout(optim.read_sharded_common(value, source))

@@ -34,7 +34,7 @@ from ckptool.core import torchfile
 from ckptool.core.dcpfile import METADATA, DcpContainerReader
 from ckptool.core.dcpwrite import DcpFileWriter, RecordedFiles, write_metadata
 from ckptool.core.engine import TargetFile, TargetTensor
-from ckptool.core.errors import BadCheckpoint, UnsupportedFormat, UsageError
+from ckptool.core.errors import BadCheckpoint, UnsupportedFormat
 from ckptool.core.index import CheckpointIndex, Piece, TensorInfo, Writer
 from ckptool.core.layout import VOCAB, ModelSpec, layout
 from ckptool.core.regions import Shard
@@ -214,10 +214,7 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         self._optimizer = optimizer if optimizer else \
             self._from_deepspeed.layout if self._from_deepspeed else None
         self._distributed = index.layout(distopt.Meta) if with_optimizer else None
-        if self._distributed is not None and spec.num_experts and (topo.ep > 1 or self._distributed.expert_state):
-            raise UsageError("a distributed optimizer with experts at EP > 1 (Megatron's ChainedOptimizer) "
-                             "is not written as torch_dist yet", path=index.url,
-                             hint="Convert --to megatron (legacy distrib_optim.pt), or pass --drop-optimizer")
+        self._chained = bool(spec.num_experts) and topo.ep > 1  # Megatron's ChainedOptimizer
         kinds = optim.state_kinds(self._optimizer) if self._optimizer else ()
         state_name = canon.state_key
         if self._distributed is not None:  # every parameter has an fp32 master
@@ -277,7 +274,7 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         if self._from_deepspeed is not None:
             common[optim.SCHEDULER_KEY] = self._from_deepspeed.scheduler
         if self._distributed is not None:
-            common[OPTIMIZER] = dist_distopt.common_entry(self._distributed)
+            common[OPTIMIZER] = dist_distopt.common_entry(self._distributed, self._chained)
             common[dist_distopt.CONTENT_METADATA] = dist_distopt.content_metadata(
                 common.get(dist_distopt.CONTENT_METADATA))
         args = index.objects.get("args")

@@ -41,7 +41,7 @@ import torch
 from ckptool.core import optimizer as canon
 from ckptool.core.errors import UnreadableInput
 from ckptool.core.index import CheckpointIndex, Location, Piece, TensorInfo
-from ckptool.core.layout import ModelSpec
+from ckptool.core.layout import ModelSpec, expert_of
 from ckptool.core.regions import Region
 from converters.megatron import distopt
 from converters.schemas.megatron_args import source_dtype
@@ -77,7 +77,12 @@ def read(value: dict, index: CheckpointIndex, source: str, read_object) -> None:
     """Map the distributed optimizer's tensors of ``index`` to the canonical
     ``optimizer.state.<kind>.<param>`` and record its :class:`distopt.Meta`; ``value`` is
     common.pt's optimizer entry, ``read_object(name)`` reads a stored object."""
-    sharding = value["param_state_sharding_type"]
+    chained = sorted(value) == [0, 1]  # ChainedOptimizer [dense, expert]: a MoE model at EP > 1
+    parts = [value[0], value[1]] if chained else [value]
+    sharding = parts[0]["param_state_sharding_type"]
+    if any(p["param_state_sharding_type"] != sharding for p in parts):
+        raise UnreadableInput("the dense and the expert optimizer are saved in different forms",
+                              path=source)
     if sharding not in (DP_RESHARDABLE, FULLY_RESHARDABLE):
         raise UnreadableInput(_REFUSED.get(sharding, f"unknown distributed-optimizer sharding "
                                                      f"{sharding!r}"), path=source)
@@ -86,29 +91,42 @@ def read(value: dict, index: CheckpointIndex, source: str, read_object) -> None:
         raise UnreadableInput("common.pt has no Megatron args to lay out the distributed "
                               "optimizer's buffers by", path=source)
     args, spec = args.value, ModelSpec(**index.model_config)
-    if spec.num_experts and index.topology.ep > 1:
-        raise UnreadableInput("a torch_dist distributed optimizer with experts at EP > 1 (Megatron's "
-                              "ChainedOptimizer of dense and expert optimizers) is not read yet; the "
-                              "legacy distrib_optim.pt form is", path=source)
+    if chained != (bool(spec.num_experts) and index.topology.ep > 1):
+        raise UnreadableInput(f"common.pt holds {'two optimizers' if chained else 'one optimizer'}; "
+                              f"a model {'with experts at EP > 1' if not chained else 'without experts at EP > 1'} "
+                              f"has {'two' if not chained else 'one'} (Megatron's ChainedOptimizer)", path=source)
+    if chained and sharding == DP_RESHARDABLE:
+        raise UnreadableInput("'dp_reshardable' distributed-optimizer state of a MoE model at EP > 1 "
+                              "(chained_0./chained_1. buckets per expert-parallel group) is not read yet; "
+                              "'fully_reshardable' and the legacy distrib_optim.pt are", path=source)
+    expert_state = None
     if sharding == FULLY_RESHARDABLE:
-        state, grads = _read_model_shaped(value, index, spec, args, source), _grad_dtype(args)
+        state, grads = _read_model_shaped(parts[0], index, spec, args, source, chained), _grad_dtype(args)
+        expert_state = _state(parts[1], source) if chained else None
         keys = {d: (d, grads or d) for d in {i.dtype for k, i in index.tensors.items()
                                              if not k.startswith("optimizer.")}}
         if grads is None:
             keys = {}  # unknown: a writer that needs it (distrib_optim.pt) says so
     else:
         state, keys = _read_buckets(index, spec, args, source, read_object)
-    index.set_layout(distopt.Meta(keys, state, sharding))
+    index.set_layout(distopt.Meta(keys, state, sharding, expert_state))
 
 
-def common_entry(meta: distopt.Meta) -> dict:
-    """common.pt's optimizer entry for the state ckptool writes (:data:`WRITTEN`)."""
-    return {**copy.deepcopy(meta.state), "param_state_sharding_type": WRITTEN}
+def common_entry(meta: distopt.Meta, chained: bool = False) -> dict:
+    """common.pt's optimizer entry for the state ckptool writes (:data:`WRITTEN`): one
+    optimizer's, or a ChainedOptimizer's ``{0: dense, 1: expert}`` (a MoE target at EP > 1),
+    the param groups as Megatron-Core matches them (:func:`distopt.target_state`)."""
+    states = distopt.target_state(meta, chained)
+    if not chained:
+        return {**copy.deepcopy(states), "param_state_sharding_type": WRITTEN}
+    return {i: {**copy.deepcopy(s), "param_state_sharding_type": WRITTEN} for i, s in enumerate(states)}
 
 
 def content_metadata(source: dict | None) -> dict:
-    """The source's content metadata, saying the sharding type ckptool writes."""
-    return {**copy.deepcopy(source or {}), SHARDING_FIELD: WRITTEN}
+    """The source's content metadata, saying the sharding type ckptool writes and that a
+    ChainedOptimizer's state keys carry no ``chained_{i}.`` prefix (Megatron-LM's default,
+    which the model-shaped keys need: the dense and the expert optimizer share them)."""
+    return {**copy.deepcopy(source or {}), SHARDING_FIELD: WRITTEN, "chained_optim_avoid_prefix": True}
 
 
 def read_flat_slice(read_chunk, piece: Piece) -> torch.Tensor:
@@ -155,7 +173,7 @@ def _state(value: dict, source: str) -> dict:
     return state
 
 
-def _read_model_shaped(value, index, spec, args, source) -> dict:
+def _read_model_shaped(value, index, spec, args, source, chained: bool = False) -> dict:
     if not index.written_by_ckptool:
         try:
             distopt.bucket_size(args, index.topology.dp, 0, 0)
@@ -164,7 +182,9 @@ def _read_model_shaped(value, index, spec, args, source) -> dict:
                                   "megatron-core saved 'fully_reshardable' state exactly",
                                   path=source) from None
         for rank in _ranks(index, spec, args):
-            for buffer in distopt.layout(rank.chunks, args, index.topology.dp, rank.pp):
+            groups = distopt.split_experts(rank.chunks, lambda u: expert_of(rank.tensors[u].name) is not None) \
+                if chained else [rank.chunks]  # the expert optimizer's buffers are its own
+            for buffer in (b for g in groups for b in distopt.layout(g, args, index.topology.dp, rank.pp)):
                 if len(buffer.buckets) > 1:
                     raise UnreadableInput(
                         f"TP rank {rank.tp} / PP rank {rank.pp} has a grad buffer of "

@@ -347,6 +347,33 @@ def _dir(ps, root, c: dict) -> Path:
         ps.get_expert_model_parallel_rank(), c["pp"], c["ep"])
 
 
+TRAIN_ITERS = 2
+"""The job's ``--train-iters`` (and ``--lr-decay-iters``): what its LR scheduler records."""
+
+
+def scheduler(opt, dp: int):
+    """Megatron-LM's ``get_optimizer_param_scheduler`` (iteration based) of the job at DP
+    ``dp``: constant LR and weight decay, steps counted in samples (``global_batch_size``).
+    Building it sets each group's weight decay to ``WD * wd_mult``, as a job's does."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    gbs = M.BATCH * dp
+    return OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=M.LR, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=TRAIN_ITERS * gbs,
+        lr_decay_style="constant", start_wd=M.WD, end_wd=M.WD, wd_incr_steps=TRAIN_ITERS * gbs,
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=False, wsd_decay_steps=None, lr_wsd_decay_style=None)
+
+
+def _scheduler_state(opt, dp: int) -> dict:
+    """What Megatron-LM saves as ``opt_param_scheduler`` (its loader needs every field): the
+    :func:`scheduler`'s state after the one step. Built after the step, so that step is the
+    schedule-less one of every case."""
+    sched = scheduler(opt, dp)
+    sched.step(increment=M.BATCH * dp)
+    return sched.state_dict()
+
+
 def _generate_worker(rank, cases, root, port):
     _init(rank, port)
     for name, c in cases.items():
@@ -356,13 +383,14 @@ def _generate_worker(rank, cases, root, port):
         assert ok
         d = _dir(ps, Path(root) / name, c)
         d.mkdir(parents=True, exist_ok=True)
+        scheduler = _scheduler_state(opt, megatron_args(c).data_parallel_size)
         if c["distopt"]:  # collective; written where the dense or the expert DP rank is 0
             opt.save_parameter_state(str(d / "distrib_optim.pt"))
         if MM._writes_legacy(ps):
             torch.save({"args": megatron_args(c), "checkpoint_version": 3.0, "iteration": ITERATION,
                         "model": ddp.module.state_dict_for_save_checkpoint(),
                         "optimizer": opt.state_dict(),
-                        "opt_param_scheduler": {"num_steps": ITERATION},
+                        "opt_param_scheduler": scheduler,
                         "rng_state": [{"torch_rng_state": torch.get_rng_state()}]},
                        d / "model_optim_rng.pt")
         if rank == 0:
