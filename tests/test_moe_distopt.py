@@ -9,6 +9,7 @@ its masters and moments are bit-equal to the saved run's.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -77,7 +78,6 @@ def test_the_same_step_at_ep1_and_ep2_gives_the_same_state(runs, tmp_path, run_c
     for case in ("ep2", "tp2_etp1_ep2", "tp2_ep1", "ep1_plain", "ep2_plain"):
         assert_equal_states(H.canonical_state(H.truth(runs, case)), ep1)
     bad = tmp_path / "bad"
-    import shutil
     shutil.copytree(runs / "ep2", bad)
     f = bad / "iter_0000001" / "mp_rank_00_000" / "distrib_optim.pt"
     states = torch.load(f, weights_only=False)
@@ -101,7 +101,6 @@ def test_inspect_reads_the_chained_optimizer(runs, run_cli):
 def test_a_missing_expert_state_is_a_clear_refusal(runs, tmp_path, run_cli):
     """A file of the EP rank 1 directory without its expert optimizer state: nothing else
     holds those experts' moments, so the optimizer is not mapped (never half-written)."""
-    import shutil
     bad = tmp_path / "bad"
     shutil.copytree(runs / "ep2", bad)
     f = bad / "iter_0000001" / "mp_rank_00_001" / "distrib_optim.pt"
@@ -124,18 +123,19 @@ def dist_runs(tmp_path_factory):
     return root
 
 
+@pytest.mark.parametrize("form", ["dp_reshardable", "fully_reshardable"])
 @pytest.mark.parametrize("case,to", [("ep2", 1), ("ep1", 2), ("ep2", 2)])
-def test_torch_dist_fully_reshardable_reshards_across_ep_and_loads_in_megatron_core(
-        dist_runs, case, to, tmp_path, run_cli):
-    """Megatron-Core itself does not load its EP2 torch_dist optimizer at EP1 (or the other
-    way: the chained {0, 1} param groups against one optimizer's); ckptool's output at the
-    new EP loads through Megatron-LM's torch_dist load path, bit-equal, the same next loss."""
-    src = dist_runs / f"{case}-fully_reshardable"
+def test_torch_dist_reshards_across_ep_and_loads_in_megatron_core(dist_runs, case, to, form, tmp_path, run_cli):
+    """Megatron-Core itself does not load its EP2 torch_dist optimizer at EP1 or the other way
+    (dp_reshardable: chained_0./chained_1. bucket keys per expert-parallel group; fully_reshardable:
+    the chained {0, 1} param groups against one optimizer's); ckptool's output at the new EP
+    loads through Megatron-LM's torch_dist load path, bit-equal, the same next loss."""
+    src = dist_runs / f"{case}-{form}"
     dst = tmp_path / "out"
     r = run_cli("reshard", src, dst, "--to-ep", to, "--to-dp", 2)
     assert r.code == 0, r.err
     loaded, = HD.load([dst], no_rng=True)  # torch_dist outputs carry no RNG state yet (#19)
-    saved = HD.truth(dist_runs, f"{case}-fully_reshardable")
+    saved = HD.truth(dist_runs, f"{case}-{form}")
     assert {d["ep"] for d in loaded} == set(range(to))
     assert_equal_states(H.canonical_state(loaded), H.canonical_state(saved))
     assert abs(loaded[0]["next_loss"] - saved[0]["next_loss"]) / abs(saved[0]["next_loss"]) < 1e-5
@@ -157,10 +157,19 @@ def test_torch_dist_and_legacy_distributed_optimizers_convert_into_each_other(
     assert_equal_states(H.canonical_state(loaded), H.canonical_state(H.truth(runs, "ep2")))
 
 
-def test_dp_reshardable_chained_buckets_are_refused_and_the_weights_still_convert(dist_runs, tmp_path, run_cli):
-    src = dist_runs / "ep2-dp_reshardable"
+def test_chained_buckets_that_do_not_fit_the_args_are_refused_and_the_weights_still_convert(
+        dist_runs, tmp_path, run_cli):
+    """dp_reshardable buckets laid out for other DDP buckets than the args say: the optimizer
+    is not mapped (refused, naming it, nothing written); --drop-optimizer drops its
+    chained_0./chained_1. tensors and carries the weights."""
+    src = tmp_path / "src"
+    shutil.copytree(dist_runs / "ep2-dp_reshardable", src)
+    common = src / "iter_0000001" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    vars(state["args"]).update(overlap_grad_reduce=True, ddp_bucket_size=4000)
+    torch.save(state, common)
     r = run_cli("reshard", src, tmp_path / "out", "--to-ep", 1, "--to-dp", 2)
-    assert r.code == 2 and "'dp_reshardable'" in r.err and "--drop-optimizer" in r.err, r.err
+    assert r.code == 2 and "Megatron's layout rule gives" in r.err and "--drop-optimizer" in r.err, r.err
     assert not (tmp_path / "out").exists()
     r = run_cli("reshard", src, tmp_path / "w", "--to-ep", 1, "--to-dp", 2, "--drop-optimizer")
     assert r.code == 0, r.err

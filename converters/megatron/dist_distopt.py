@@ -62,9 +62,12 @@ _REFUSED = {
     "distributed-optimizer state (whole buffers pickled per TP/PP rank) is not read",
     "fsdp_dtensor": "Megatron FSDP's 'fsdp_dtensor' optimizer state is not read",
 }
-_BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
+_BUCKET = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
                      r"dtype_\(torch\.(\w+), torch\.(\w+)\)\.bucket_idx_(\d+)\.(\w+)$")
 _DISTRIBUTED = "optimizer.distributed."
+_DISTRIBUTED_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.")
+"""A dp_reshardable entry: of the one optimizer, or of a ChainedOptimizer's dense (``chained_0.``)
+or expert (``chained_1.``) optimizer."""
 _SCHEMA = {"local": "mcore-local", "transformer_engine": "mcore-te"}
 
 
@@ -95,10 +98,6 @@ def read(value: dict, index: CheckpointIndex, source: str, read_object) -> None:
         raise UnreadableInput(f"common.pt holds {'two optimizers' if chained else 'one optimizer'}; "
                               f"a model {'with experts at EP > 1' if not chained else 'without experts at EP > 1'} "
                               f"has {'two' if not chained else 'one'} (Megatron's ChainedOptimizer)", path=source)
-    if chained and sharding == DP_RESHARDABLE:
-        raise UnreadableInput("'dp_reshardable' distributed-optimizer state of a MoE model at EP > 1 "
-                              "(chained_0./chained_1. buckets per expert-parallel group) is not read yet; "
-                              "'fully_reshardable' and the legacy distrib_optim.pt are", path=source)
     expert_state = None
     if sharding == FULLY_RESHARDABLE:
         state, grads = _read_model_shaped(parts[0], index, spec, args, source, chained), _grad_dtype(args)
@@ -108,7 +107,7 @@ def read(value: dict, index: CheckpointIndex, source: str, read_object) -> None:
         if grads is None:
             keys = {}  # unknown: a writer that needs it (distrib_optim.pt) says so
     else:
-        state, keys = _read_buckets(index, spec, args, source, read_object)
+        state, keys, expert_state = _read_buckets(index, spec, args, source, read_object, chained)
     index.set_layout(distopt.Meta(keys, state, sharding, expert_state))
 
 
@@ -203,37 +202,37 @@ def _read_model_shaped(value, index, spec, args, source, chained: bool = False) 
     return _state(value, source)
 
 
-def _read_buckets(index, spec, args, source, read_object) -> tuple[dict, dict]:
-    """The ``dp_reshardable`` bucket tensors as per-parameter pieces; the optimizer state.
+def _read_buckets(index, spec, args, source, read_object, chained: bool = False) -> tuple[dict, dict, dict | None]:
+    """The ``dp_reshardable`` bucket tensors as per-parameter pieces; the optimizer state (and
+    the expert optimizer's, ``chained``).
 
     All or nothing: the index changes only once every rank has mapped, so a refusal leaves
     the stored bucket tensors in place (``verify`` still checks them as stored)."""
-    stored: dict[tuple[int, int], dict[int, dict[str, TensorInfo]]] = {}
-    dtypes: dict[tuple[int, int], tuple] = {}
-    bucket_keys = [k for k in index.tensors if k.startswith(_DISTRIBUTED)]
+    stored: dict[tuple, dict[int, dict[str, TensorInfo]]] = {}
+    dtypes: dict[tuple, tuple] = {}
+    bucket_keys = [k for k in index.tensors if _DISTRIBUTED_KEY.match(k)]
     added: dict[str, TensorInfo] = {}
     for key in bucket_keys:
         m = _BUCKET.match(key)
-        if m is None or m.group(6) not in distopt.FILE_KEYS.values():
+        if m is None or m.group(7) not in distopt.FILE_KEYS.values() or (m.group(1) is not None) != chained:
             raise UnreadableInput(f"distributed-optimizer tensor {key} is not a bucket of "
                                   "Megatron's buffers", path=source)
-        g, i, b = int(m.group(1)), int(m.group(2)), int(m.group(5))
-        dtypes[(g, i)] = (getattr(torch, m.group(3)), getattr(torch, m.group(4)))
-        stored.setdefault((g, i), {}).setdefault(b, {})[m.group(6)] = index.tensors[key]
+        c = None if m.group(1) is None else int(m.group(1))
+        g, i, b = int(m.group(2)), int(m.group(3)), int(m.group(6))
+        dtypes[(c, g, i)] = (getattr(torch, m.group(4)), getattr(torch, m.group(5)))
+        stored.setdefault((c, g, i), {}).setdefault(b, {})[m.group(7)] = index.tensors[key]
     keys: dict[torch.dtype, tuple] = {}
-    states = []
-    ranks = _ranks(index, spec, args)
-    for rank in ranks:
-        g = rank.pp * index.topology.tp + rank.tp
+    states: dict = {}
+    for c, g, rank, chunks in _optimizers(index, spec, args, chained):
         try:
-            buffers = distopt.layout(rank.chunks, args, index.topology.dp, rank.pp)
+            buffers = distopt.layout(chunks, args, index.topology.dp, rank.pp)
         except UnreadableInput as exc:
             raise UnreadableInput(exc.message.replace("distrib_optim.pt", "the distributed optimizer's buckets"),
                                   path=source) from None
         for i, buffer in enumerate(buffers):
-            buckets = stored.pop((g, i), None)
-            where = f"dp_group_idx_{g} gbuf_idx_{i}"
-            if buckets is None or dtypes[(g, i)][0] != buffer.dtype:
+            buckets = stored.pop((c, g, i), None)
+            where = f"{_chain(c)}dp_group_idx_{g} gbuf_idx_{i}"
+            if buckets is None or dtypes[(c, g, i)][0] != buffer.dtype:
                 raise UnreadableInput(f"{where}: no {buffer.dtype} grad buffer of the "
                                       "parameters args describe", path=source)
             lengths = _lengths(buckets, where, source)
@@ -242,24 +241,50 @@ def _read_buckets(index, spec, args, source, read_object) -> tuple[dict, dict]:
                     f"{where} holds buckets of {list(lengths)} elements, Megatron's layout "
                     f"rule gives {list(buffer.buckets)} (bucket size {buffer.bucket_size}); "
                     "ckptool cannot map it to parameters", path=source)
-            keys[buffer.dtype] = dtypes[(g, i)]
+            keys[buffer.dtype] = dtypes[(c, g, i)]
             _add_pieces(added, rank, buffer, buckets, source)
-        states.append(_group_state(index, g, source, read_object))
+        states.setdefault(c, []).append(_group_state(index, c, g, source, read_object))
     if stored:
-        g, i = min(stored)
-        raise UnreadableInput(f"dp_group_idx_{g} gbuf_idx_{i} holds optimizer state of no "
-                              "parameter args describe (expert-parallel or other buffers?)",
-                              path=source)
-    steps = {repr(_steps(s)) for s in states}
-    if len(steps) > 1:
-        raise UnreadableInput(f"model-parallel ranks disagree on the optimizer step: "
-                              f"{sorted(steps)}", path=source)
+        c, g, i = min(stored, key=lambda k: (k[0] or 0, k[1], k[2]))
+        raise UnreadableInput(f"{_chain(c)}dp_group_idx_{g} gbuf_idx_{i} holds optimizer state of no "
+                              "parameter args describe", path=source)
+    for group in states.values():  # per optimizer: its groups' steps, the same on every rank
+        steps = {repr(_steps(s)) for s in group}
+        if len(steps) > 1:
+            raise UnreadableInput(f"model-parallel ranks disagree on the optimizer step: "
+                                  f"{sorted(steps)}", path=source)
+    if len({repr(sorted(set(map(repr, _steps(g[0]))))) for g in states.values()}) > 1:
+        raise UnreadableInput("the dense and the expert optimizer are at different steps", path=source)
     for key in bucket_keys:
         del index.tensors[key]
     index.tensors.update(added)
-    for key in [k for k in index.objects if k.startswith(_DISTRIBUTED)]:
+    for key in [k for k in index.objects if _DISTRIBUTED_KEY.match(k)]:
         del index.objects[key]
-    return states[0], keys
+    if chained:
+        return states[0][0], keys, states[1][0]
+    return states[None][0], keys, None
+
+
+def _chain(c: int | None) -> str:
+    return "" if c is None else f"chained_{c}."
+
+
+def _optimizers(index, spec, args, chained: bool):
+    """``(sub-optimizer, dp_group_idx, rank, its grad buffers' chunks)`` of every distributed
+    optimizer, as Megatron-Core numbers them: one per (TP, PP) rank (``dp_group_idx`` its rank
+    in the TP x PP group); at EP > 1 (``chained``) the dense one (``chained_0.``) per (TP, PP)
+    rank and the expert one (``chained_1.``) per (expert TP, EP, PP) rank, ``dp_group_idx`` its
+    rank in the ETP x EP x PP group (``etp + ETP·(ep + EP·pp)``)."""
+    topo = index.topology
+    for rank in _ranks(index, spec, args):
+        if not chained:
+            yield None, rank.pp * topo.tp + rank.tp, rank, rank.chunks
+            continue
+        dense, experts = distopt.split_experts(rank.chunks, lambda u: expert_of(rank.tensors[u].name) is not None)
+        if rank.ep == 0:
+            yield 0, rank.pp * topo.tp + rank.tp, rank, dense
+        if rank.tp < topo.expert_tp:
+            yield 1, rank.tp + topo.expert_tp * (rank.ep + topo.ep * rank.pp), rank, experts
 
 
 def _lengths(buckets: dict, where: str, source: str) -> tuple[int, ...]:
@@ -313,11 +338,11 @@ def _slices(bucket: TensorInfo, start: int, region: Region, source: str) -> list
     return out
 
 
-def _group_state(index, g: int, source: str, read_object) -> dict:
-    """``DistributedOptimizer.state_dict()`` of model-parallel rank ``g`` (pickled objects,
-    each the list of one rank's value)."""
+def _group_state(index, c: int | None, g: int, source: str, read_object) -> dict:
+    """``DistributedOptimizer.state_dict()`` of model-parallel rank ``g`` (of sub-optimizer
+    ``c`` of a ChainedOptimizer; pickled objects, each the list of one rank's value)."""
     state = {}
-    prefix = f"{_DISTRIBUTED}dp_group_idx_{g}."
+    prefix = f"{_chain(c)}{_DISTRIBUTED}dp_group_idx_{g}."
     for key, obj in index.objects.items():
         if key.startswith(prefix) and key.endswith("/shard_0_1"):
             name = key[len(prefix):-len("/shard_0_1")]
