@@ -134,7 +134,7 @@ def test_torch_dist_reshards_across_ep_and_loads_in_megatron_core(dist_runs, cas
     dst = tmp_path / "out"
     r = run_cli("reshard", src, dst, "--to-ep", to, "--to-dp", 2)
     assert r.code == 0, r.err
-    loaded, = HD.load([dst], no_rng=True)  # torch_dist outputs carry no RNG state yet (#19)
+    loaded, = HD.load([dst])  # Megatron-LM's default flags: the args say no_save_rng
     saved = HD.truth(dist_runs, f"{case}-{form}")
     assert {d["ep"] for d in loaded} == set(range(to))
     assert_equal_states(H.canonical_state(loaded), H.canonical_state(saved))
@@ -153,7 +153,7 @@ def test_torch_dist_and_legacy_distributed_optimizers_convert_into_each_other(
     dist = tmp_path / "dist"
     r = run_cli("convert", runs / "ep2", dist, "--to", "megatron-dist", "--ep", 2, "--dp", 2)
     assert r.code == 0, r.err
-    loaded, = HD.load([dist], no_rng=True)
+    loaded, = HD.load([dist])
     assert_equal_states(H.canonical_state(loaded), H.canonical_state(H.truth(runs, "ep2")))
 
 

@@ -172,8 +172,8 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         self._schedule = optim.parse_schedule(megatron_lr_schedule) if megatron_lr_schedule else None
 
     def notes(self, index) -> list[str]:
-        notes = ["RNG state is not written to torch_dist outputs yet: resume with Megatron's "
-                 "--no-load-rng", *feature_notes(index)]
+        notes = ["torch_dist outputs hold no RNG state: their args say no_save_rng, so Megatron-LM's "
+                 "loader starts the RNG from the job's seed without --no-load-rng", *feature_notes(index)]
         if self._from_deepspeed:
             notes.append(self._from_deepspeed.note)
         if self._distributed is not None:
@@ -280,6 +280,9 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         args = index.objects.get("args")
         spec, topo = self._target
         common["args"] = update_args(args.value if args else None, spec, topo, index.true_vocab_size, index)
+        # no RNG state is written; Megatron-LM's torch_dist loader skips the RNG of a checkpoint
+        # whose args say so (else, at an unchanged TP/PP, it asks for rng_state and fails)
+        common["args"].no_save_rng = True
         buf = io.BytesIO()
         torchfile.save(common, buf)  # records under their own names
         sub.write_bytes(COMMON, buf.getvalue())

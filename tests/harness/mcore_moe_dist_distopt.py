@@ -280,7 +280,10 @@ def _load(ps, ddp, opt, sched, c: dict, it: Path, common: dict, no_rng: bool) ->
         raise RuntimeError(f"(TP, PP) mismatch: not supported for DistributedOptimizer with "
                            f"sharding type {meta['distrib_optim_sharding_type']}")
     meta = dict(meta, dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True))
-    rng = _rng_state(ps) if same_tp_pp and not no_rng else None
+    # Megatron-LM 0.16.1: RNG only at the same (TP, PP), without --no-load-rng, and when the
+    # checkpoint's args do not say no_save_rng
+    rng = _rng_state(ps) if same_tp_pp and not no_rng and not getattr(ckpt_args, "no_save_rng", False) \
+        else None
     # shim: torch Adam has no state before a step; mcore's own dummy state, replaced in place
     for inner in MD._inner(opt):
         inner._init_optimizer_states_with_dummy_values()
