@@ -406,6 +406,7 @@ def convert(src, dst, to_format, tp, pp, dp, zero, ep, etp, megatron_names, mode
 @click.option("--tp", type=_SIZE, required=True, help="Tensor-parallel size.")
 @click.option("--pp", type=_SIZE, required=True, help="Pipeline-parallel size.")
 @click.option("--ep", type=_SIZE, default=1, show_default=True, help="Expert-parallel size (MoE models).")
+@click.option("--etp", type=_SIZE, help="Expert tensor-parallel size (MoE; default: the TP).")
 @click.option("--model", "model_path", metavar="CONFIG",
               help="HF config.json, Megatron args (JSON) or a checkpoint.")
 @click.option("--params", help="Parameter count instead of a model, e.g. 70B, 175B.")
@@ -422,7 +423,7 @@ def convert(src, dst, to_format, tp, pp, dp, zero, ep, etp, megatron_names, mode
 @click.option("--from", "from_ckpt", metavar="CKPT",
               help="A checkpoint: list the topologies it reshards to for --gpus.")
 @_output_options
-def plan(gpus, tp, pp, ep, model_path, params, zero, dtype, gpu_mem, gpus_per_node, h2d_gbps,
+def plan(gpus, tp, pp, ep, etp, model_path, params, zero, dtype, gpu_mem, gpus_per_node, h2d_gbps,
          storage_gbps, from_ckpt, as_json, quiet):
     """Topology math, per-GPU memory per ZeRO stage, checkpoint cost, restart options.
 
@@ -446,10 +447,11 @@ def plan(gpus, tp, pp, ep, model_path, params, zero, dtype, gpu_mem, gpus_per_no
     res = run(gpus, tp, pp, params=parse_count(params) if params and spec is None else None,
               spec=spec, zero=zero, dtype=dtype, gpu_mem_gb=gpu_mem / 1e9 if gpu_mem else None,
               gpus_per_node=gpus_per_node, h2d_gbps=h2d_gbps, storage_gbps=storage_gbps,
-              source=source, source_topology=source_topo, ep=ep)
+              source=source, source_topology=source_topo, ep=ep, etp=etp)
     for w in res.warnings:
         out.note(f"warning: {w}")
     lines = [f"{gpus} GPUs = TP{tp} x PP{pp} x DP{res.dp}" + (f" (EP{ep})" if ep > 1 else "")
+             + (f" (ETP{etp})" if etp is not None and etp != tp else "")
              + f"; {res.params / 1e9:.2f}B parameters, "
              f"{res.params_per_gpu / 1e9:.3f}B on the busiest GPU ({dtype})",
              "", f"  {'per GPU (GB)':<17} {'weights':>8} {'grads':>8} {'optimizer':>10} {'total':>8}"

@@ -229,6 +229,12 @@ def test_plan_accounts_experts_by_ep_and_lists_the_ep_sizes_a_restart_can_use(ep
     assert (4, 1) not in restart  # 2 query groups: TP4 breaks a rule
     r = run_cli("plan", "--gpus", 4, "--tp", 1, "--pp", 1, "--ep", 3, "--from", src)
     assert r.code == 2 and "4 experts are not divisible by EP3" in r.err, r.err
+    # TP2 with whole experts (ETP1): each GPU holds its EP rank's experts unsplit
+    split, whole = (json.loads(run_cli("plan", "--gpus", 4, "--tp", 2, "--pp", 1, "--ep", 2, *etp, "--from", src,
+                                       "--json").out) for etp in ((), ("--etp", 1)))
+    assert whole["params_per_gpu"] - split["params_per_gpu"] == m["num_layers"] * 2 * expert // 2
+    r = run_cli("plan", "--gpus", 4, "--tp", 2, "--pp", 1, "--etp", 4, "--from", src)
+    assert r.code == 2 and "ETP4 does not divide TP2" in r.err, r.err
 
 
 # ------------------------------------------------------------ torch_dist with experts

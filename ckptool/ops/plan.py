@@ -107,7 +107,7 @@ def memory_rows(p: int, dp: int, dtype: str, gpu_mem_gb: float | None) -> list[M
 
 def plan(gpus: int, tp: int, pp: int, *, params: int | None = None, spec: ModelSpec | None = None,
          zero: int = 1, dtype: str = "bf16", gpu_mem_gb: float | None = None, ep: int = 1,
-         gpus_per_node: int = 8, h2d_gbps: float = 20.0, storage_gbps: float = 10.0,
+         etp: int | None = None, gpus_per_node: int = 8, h2d_gbps: float = 20.0, storage_gbps: float = 10.0,
          source: ModelSpec | None = None, source_topology: Topology | None = None) -> PlanResult:
     """The plan for ``gpus`` at TP ``tp`` x PP ``pp``; raises TopologyError listing every
     rule that fails."""
@@ -119,9 +119,9 @@ def plan(gpus: int, tp: int, pp: int, *, params: int | None = None, spec: ModelS
         problems.append(f"{gpus} GPUs are not divisible by TP x PP = {tp} x {pp} = {tp * pp}")
     dp = max(1, gpus // (tp * pp))
     if spec is not None:
-        problems += rule_problems(spec, tp, pp, ep, dp)
-    elif ep > 1:
-        problems.append("--ep needs the model (--model or --from), to know its experts")
+        problems += rule_problems(spec, tp, pp, ep, dp, etp)
+    elif ep > 1 or etp is not None:
+        problems.append("--ep/--etp need the model (--model or --from), to know its experts")
     if problems:
         raise TopologyError("; ".join(problems),
                             hint="Pick TP dividing heads, query groups and ffn, and PP dividing layers")
@@ -130,7 +130,7 @@ def plan(gpus: int, tp: int, pp: int, *, params: int | None = None, spec: ModelS
         warnings.append(f"TP{tp} spans more than one node of {gpus_per_node} GPUs: its all-reduces "
                         "leave NVLink for the inter-node network")
     if spec is not None:
-        total, per_gpu = count_params(spec, tp, pp, ep)
+        total, per_gpu = count_params(spec, tp, pp, ep, etp, dp)
     else:
         total, per_gpu = params, -(-params // (tp * pp))
     w, _, o = bytes_per_param(dtype)
@@ -147,19 +147,24 @@ def plan(gpus: int, tp: int, pp: int, *, params: int | None = None, spec: ModelS
                       asdict(spec) if spec is not None else None)
 
 
-def rule_problems(spec: ModelSpec, tp: int, pp: int, ep: int = 1, dp: int | None = None) -> list[str]:
-    """Every layout rule ``(tp, pp, ep)`` breaks for ``spec`` (the rules reshard enforces)."""
+def rule_problems(spec: ModelSpec, tp: int, pp: int, ep: int = 1, dp: int | None = None,
+                  etp: int | None = None) -> list[str]:
+    """Every layout rule ``(tp, pp, ep, etp)`` breaks for ``spec`` (the rules reshard enforces)."""
     problems = []
+    expert_tp = tp if etp is None else etp
     if spec.num_experts:
         if spec.num_experts % ep:
             problems.append(f"{spec.num_experts} experts are not divisible by EP{ep} "
                             f"(EP sizes that work: {', '.join(map(str, ep_sizes(spec)))})")
-        if dp is not None and dp % ep:
-            problems.append(f"EP{ep} does not divide DP{dp} (expert parallelism re-divides DP ranks)")
-        if spec.moe_ffn % tp:
-            problems.append(f"moe_ffn_hidden_size {spec.moe_ffn} is not divisible by TP{tp}")
-    elif ep > 1:
-        problems.append(f"EP{ep} needs a model with experts")
+        if dp is not None and (tp * dp) % (expert_tp * ep):
+            problems.append(f"EP{ep} x ETP{expert_tp} does not divide TP{tp} x DP{dp} (expert "
+                            "parallelism re-divides the TP x DP ranks)")
+        if spec.moe_ffn % expert_tp:
+            problems.append(f"moe_ffn_hidden_size {spec.moe_ffn} is not divisible by ETP{expert_tp}")
+        if tp % expert_tp:
+            problems.append(f"ETP{expert_tp} does not divide TP{tp}")
+    elif ep > 1 or etp is not None:
+        problems.append(f"EP{ep}/ETP{expert_tp} need a model with experts")
     if spec.num_attention_heads % tp:
         problems.append(f"{spec.num_attention_heads} attention heads are not divisible by TP{tp}")
     if spec.groups % tp and spec.groups != spec.num_attention_heads:
@@ -173,11 +178,12 @@ def rule_problems(spec: ModelSpec, tp: int, pp: int, ep: int = 1, dp: int | None
     return problems
 
 
-def count_params(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> tuple[int, int]:
+def count_params(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int | None = None,
+                 dp: int | None = None) -> tuple[int, int]:
     """(total parameters, parameters on the heaviest GPU), from the layout rules (experts
-    split over EP, dense tensors whole on every EP rank)."""
+    split over EP and inside by ETP, dense tensors whole on every EP rank)."""
     padded = replace(spec, vocab_rows=spec.padded_vocab(tp))
-    ranks = layout(padded, Topology(tp=tp, pp=pp, ep=ep, dp=ep))
+    ranks = layout(padded, Topology(tp=tp, pp=pp, ep=ep, dp=dp or ep, etp=etp))
     per_rank = [sum(math.prod(t.shard.shape) for t in r.tensors) for r in ranks]
     total = sum(math.prod(p.shape) for p in global_params(padded))
     return total, max(per_rank)
