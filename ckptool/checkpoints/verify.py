@@ -265,13 +265,13 @@ def _check_pickles(check: _Check, reader: Reader) -> None:
 def _check_replicas(check: _Check, reader: Reader, index: CheckpointIndex) -> None:
     """Every stored replica must equal the primary copy of the same region."""
     for key, tensor in index.tensors.items():
-        sources = [p.region for p in tensor.pieces]
+        sources, boxes = [p.region for p in tensor.pieces], tensor.box_index()
         for replica in tensor.replicas:
             if replica.location.file in check.bad_files:
                 continue
             try:
                 copy = reader.read_piece(check.store, replica, tensor.dtype)
-                for c in plan_copies(sources, [replica.region]):
+                for c in plan_copies(sources, [replica.region], boxes):
                     primary = reader.read_box(check.store, tensor.pieces[c.src], tensor.dtype, c.box)
                     if not torch.equal(primary.reshape(c.box[1]), replica.region.view(copy, c.box)):
                         check.add("replica", "replica differs from the primary copy",

@@ -142,7 +142,7 @@ def _copies(region, index: CheckpointIndex):
     if tuple(info.shape) != tuple(region.global_shape):
         raise BadCheckpoint(f"source tensor {region.key!r} has shape {tuple(info.shape)}, "
                             f"expected {tuple(region.global_shape)}", path=index.url, key=region.key)
-    plan = plan_copies([p.region for p in info.pieces], [region])
+    plan = plan_copies([p.region for p in info.pieces], [region], info.box_index())
     if sum(c.numel for c in plan) != region.numel:
         raise BadCheckpoint("source pieces do not cover the target region", path=index.url,
                             key=region.key)
@@ -262,6 +262,6 @@ def bytes_read(targets: list[TargetFile], index: CheckpointIndex) -> int:
                 info = index.tensors.get(region.key)
                 if info is None:
                     continue
-                plan = plan_copies([p.region for p in info.pieces if p.location.file], [region])
-                total += sum(c.numel for c in plan) * info.dtype.itemsize
+                plan = plan_copies((), [region], info.box_index())
+                total += sum(c.numel for c in plan if info.pieces[c.src].location.file) * info.dtype.itemsize
     return total

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
-from ckptool.core.regions import Region
+from ckptool.core.regions import BoxIndex, Region
 from ckptool.core.safe_pickle import UnsafeFinding
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
@@ -53,10 +53,18 @@ class TensorInfo:
     replicas: list[Piece] = field(default_factory=list)
     """Further stored copies of regions the pieces already cover (TP-replicated norms, the
     last stage's tied embedding). Never read for data; ``verify --deep`` checks they are equal."""
+    _boxes: Any = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+    def box_index(self) -> BoxIndex:
+        """The :class:`~ckptool.core.regions.BoxIndex` of the pieces' regions, built once (again
+        when pieces were added): planning a target region costs O(log pieces), not a scan."""
+        if self._boxes is None or self._boxes[0] != len(self.pieces):
+            self._boxes = (len(self.pieces), BoxIndex([p.region for p in self.pieces]))
+        return self._boxes[1]
 
 
 @dataclass(slots=True)

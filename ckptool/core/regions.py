@@ -21,6 +21,7 @@ local buffer (``as_strided`` with the region box's contiguous strides).
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
@@ -206,23 +207,76 @@ class Copy:
         return math.prod(self.box[1])
 
 
-def plan_copies(sources: Sequence[Region], targets: Sequence[Region]) -> list[Copy]:
-    """Every (source, target, box) such that the box is in both regions.
+class BoxIndex:
+    """The boxes of many source regions (of one global tensor), found by overlap with a
+    target box in O(log n + candidates) instead of a scan of all of them.
+
+    The boxes are sorted by their start on the axis whose starts tell them apart best (dim 0
+    for FSDP and pipeline stacks, the TP axis for column splits), with the running maximum
+    of their ends: scanning back from the last box that starts before the target ends stops
+    at the first whose running maximum ends before the target starts. Hits come back in the
+    sources' order (region by region, box by box), as a scan would give them."""
+
+    __slots__ = ("_axis", "_entries", "_starts", "_reach")
+
+    def __init__(self, sources: Sequence[Region]):
+        entries = [(n, i, b) for n, (i, b) in
+                   enumerate((i, b) for i, r in enumerate(sources) for b in r.boxes())]
+        ndim = len(entries[0][2][0]) if entries else 0
+        self._axis = max(range(ndim), key=lambda a: len({e[2][0][a] for e in entries})) if ndim else None
+        if self._axis is not None:
+            a = self._axis
+            entries.sort(key=lambda e: e[2][0][a])
+            self._starts = [e[2][0][a] for e in entries]
+            reach, top = [], -1
+            for e in entries:
+                top = max(top, e[2][0][a] + e[2][1][a])
+                reach.append(top)
+            self._reach = reach
+        self._entries = entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def overlaps(self, box: Box) -> list[tuple[int, Box]]:
+        """``(source index, common box)`` of every source box that overlaps ``box``."""
+        if self._axis is None:
+            hits = [(n, i, intersect_boxes(b, box)) for n, i, b in self._entries]
+        else:
+            a = self._axis
+            lo, hi = box[0][a], box[0][a] + box[1][a]
+            hits = []
+            k = bisect.bisect_left(self._starts, hi) - 1
+            while k >= 0 and self._reach[k] > lo:
+                n, i, b = self._entries[k]
+                hits.append((n, i, intersect_boxes(b, box)))
+                k -= 1
+        return [(i, c) for _, i, c in sorted(h for h in hits if h[2] is not None)]
+
+
+def plan_copies(sources: Sequence[Region], targets: Sequence[Region],
+                index: BoxIndex | None = None) -> list[Copy]:
+    """Every (source, target, box) such that the box is in both regions; ``index``: the
+    :class:`BoxIndex` of ``sources`` (all of one key), when the caller keeps one.
 
     Each target element appears in exactly one copy when the sources cover every global
     element exactly once (see :func:`coverage_problems`).
     """
-    by_key: dict[str, list[tuple[int, Box]]] = {}
+    if index is not None:
+        return [Copy(i, j, common) for j, region in enumerate(targets)
+                for tbox in region.boxes() for i, common in index.overlaps(tbox)]
+    by_key: dict[str, list[int]] = {}
     for i, region in enumerate(sources):
-        by_key.setdefault(region.key, []).extend((i, b) for b in region.boxes())
+        by_key.setdefault(region.key, []).append(i)
+    indexes = {key: BoxIndex([sources[i] for i in members]) for key, members in by_key.items()}
     plan = []
     for j, region in enumerate(targets):
-        candidates = by_key.get(region.key, ())
+        found = indexes.get(region.key)
+        if found is None:
+            continue
+        members = by_key[region.key]
         for tbox in region.boxes():
-            for i, sbox in candidates:
-                common = intersect_boxes(sbox, tbox)
-                if common is not None:
-                    plan.append(Copy(i, j, common))
+            plan += [Copy(members[i], j, common) for i, common in found.overlaps(tbox)]
     return plan
 
 
