@@ -179,3 +179,31 @@ def test_coverage_reports_gaps_and_overlaps():
 def test_region_rejects_out_of_bounds_box():
     with pytest.raises(ValueError, match="outside"):
         Region("w", (4,), (2,), (3,))
+
+
+def test_the_box_index_finds_exactly_what_a_scan_finds_in_the_same_order():
+    """BoxIndex against the all-pairs scan it replaces: random grid and flat-range sources
+    (rows, columns, ZeRO-style flat slices), random target boxes."""
+    import random
+
+    from ckptool.core.regions import BoxIndex, Region, intersect_boxes
+
+    rng = random.Random(7)
+    shape = (12, 10)
+    for trial in range(30):
+        sources = []
+        if trial % 3 == 0:  # row blocks
+            cuts = sorted(rng.sample(range(1, 12), 3))
+            sources = [Region("w", shape, (a, 0), (b - a, 10)) for a, b in zip([0, *cuts], [*cuts, 12])]
+        elif trial % 3 == 1:  # a grid of row and column blocks
+            sources = [Region("w", shape, (r, c), (4, 5)) for r in (0, 4, 8) for c in (0, 5)]
+        else:  # flat slices of the whole tensor
+            cuts = sorted(rng.sample(range(1, 120), 5))
+            sources = [Region.whole("w", shape, (a, b)) for a, b in zip([0, *cuts], [*cuts, 120])]
+        index = BoxIndex(sources)
+        boxes = [(i, b) for i, r in enumerate(sources) for b in r.boxes()]
+        for _ in range(20):
+            r0, c0 = rng.randrange(12), rng.randrange(10)
+            box = ((r0, c0), (rng.randint(1, 12 - r0), rng.randint(1, 10 - c0)))
+            want = [(i, c) for i, b in boxes if (c := intersect_boxes(b, box)) is not None]
+            assert index.overlaps(box) == want
