@@ -317,12 +317,7 @@ def _load_worker(rank, checkpoints, at, no_rng, port):
         ps, ddp, opt = MD._setup(c)
         sched = _scheduler(opt, megatron_args(c))
         state = _load(ps, ddp, opt, sched, c, it, common, no_rng)
-        dump = MD._truth(ps, ddp, opt, c)
-        dump["iteration"] = state["iteration"]
-        dump["next_loss"] = MD._next_step(ddp, opt)
-        torch.save(dump, Path(f"{ckpt}.loaded-rank{rank}.pt"))
-        dist.barrier()
-        ps.destroy_model_parallel()
+        MD.dump_loaded(ps, ddp, opt, c, ckpt, rank, iteration=state["iteration"])
     dist.destroy_process_group()
 
 

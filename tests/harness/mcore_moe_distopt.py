@@ -428,12 +428,18 @@ def _load_worker(rank, checkpoints, port):
         if c["distopt"]:
             with torch.no_grad():  # fp32 masters are views of the parameters (leaves)
                 opt.load_parameter_state(str(d / "distrib_optim.pt"))
-        dump = _truth(ps, ddp, opt, c)
-        dump["next_loss"] = _next_step(ddp, opt)
-        torch.save(dump, Path(f"{ckpt}.loaded-rank{rank}.pt"))
-        dist.barrier()
-        ps.destroy_model_parallel()
+        dump_loaded(ps, ddp, opt, c, ckpt, rank)
     dist.destroy_process_group()
+
+
+def dump_loaded(ps, ddp, opt, c: dict, ckpt, rank: int, **extra) -> None:
+    """After a load: this process's truth, ``extra`` and the ``next_loss`` of one more real
+    step, saved as ``<ckpt>.loaded-rank{rank}.pt``; then the model-parallel state ends."""
+    dump = {**_truth(ps, ddp, opt, c), **extra}
+    dump["next_loss"] = _next_step(ddp, opt)
+    torch.save(dump, Path(f"{ckpt}.loaded-rank{rank}.pt"))
+    dist.barrier()
+    ps.destroy_model_parallel()
 
 
 def generate(root: Path, cases: dict = CASES) -> None:
