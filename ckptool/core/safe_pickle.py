@@ -77,7 +77,15 @@ class Record:
         self.__dict__.update(_args=args, _via_new=False)
 
     def __setstate__(self, state):
-        self.__dict__["_state"] = state
+        d = self.__dict__
+        d["_state"] = state
+        d.pop("_hash", None)
+        # the fields as plain attributes: read without __getattr__ (a DCP .metadata holds a
+        # record per chunk); names the class itself uses (unsafe, fields...) stay the class's
+        reserved = _RESERVED
+        for k, v in self.fields().items():
+            if type(k) is str and not k.startswith("_") and k not in reserved:
+                d[k] = v
 
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -102,12 +110,15 @@ class Record:
         return new
 
     def __setitem__(self, key, value):  # dict subclasses
+        self.__dict__.pop("_hash", None)
         self._items[key] = value
 
     def append(self, value):  # list subclasses
+        self.__dict__.pop("_hash", None)
         self._list.append(value)
 
     def extend(self, values):
+        self.__dict__.pop("_hash", None)
         self._list.extend(values)
 
     @property
@@ -123,8 +134,15 @@ class Record:
     def __eq__(self, other):
         return isinstance(other, Record) and self._key() == other._key()
 
-    def __hash__(self):  # DCP's MetadataIndex is a dict key
-        return hash(_frozen(self._key()))
+    def __hash__(self):  # DCP's MetadataIndex is a dict key; hashed once (until changed)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(_frozen(self._key()))
+        return h
+
+
+_RESERVED = frozenset(dir(Record))
+"""Attribute names of the stand-ins themselves, never shadowed by a pickled field."""
 
 
 class Unsafe(Record):
