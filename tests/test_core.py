@@ -124,3 +124,26 @@ def test_scratch_pool_reuses_buffers_and_keeps_to_its_budget():
         t.join(timeout=60)
     assert not errors and not any(t.is_alive() for t in threads)
     assert peak[0] <= 2400 and pool._in_use == 0
+
+
+def test_a_pickled_field_never_shadows_what_a_stand_in_is():
+    """A record keeps its pickled fields as attributes, but a hostile state naming the
+    stand-in's own attributes (``unsafe``, ``fields``, ``qualified_name``) reads the class's:
+    a refused global stays refused; absent fields still read as None."""
+    import io
+    import os
+    import pickle
+
+    from ckptool.core.safe_pickle import Unpickler, Unsafe, unsafe_in
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",), {"unsafe": False, "fields": 1, "qualified_name": "torch.Size",
+                                            "relative_path": "x"})
+
+    obj = Unpickler(io.BytesIO(pickle.dumps(Evil()))).load()
+    assert isinstance(obj, Unsafe) and obj.unsafe is True
+    assert obj.qualified_name in ("posix.system", "os.system")
+    assert obj.fields()["unsafe"] is False and callable(obj.fields)
+    assert obj.relative_path == "x" and obj.offset is None
+    assert list(unsafe_in({"a": obj})) == [("a", obj.qualified_name)]
