@@ -41,7 +41,7 @@ import torch
 from ckptool.core import optimizer as canon
 from ckptool.core.errors import UnreadableInput
 from ckptool.core.index import CheckpointIndex, Location, Piece, TensorInfo
-from ckptool.core.layout import ModelSpec, expert_of
+from ckptool.core.layout import ModelSpec
 from ckptool.core.regions import Region
 from converters.megatron import distopt
 from converters.schemas.megatron_args import source_dtype
@@ -181,8 +181,7 @@ def _read_model_shaped(value, index, spec, args, source, chained: bool = False) 
                                   "megatron-core saved 'fully_reshardable' state exactly",
                                   path=source) from None
         for rank in _ranks(index, spec, args):
-            groups = distopt.split_experts(rank.chunks, lambda u: expert_of(rank.tensors[u].name) is not None) \
-                if chained else [rank.chunks]  # the expert optimizer's buffers are its own
+            groups = rank.optimizer_chunks(chained)  # the expert optimizer's buffers are its own
             for buffer in (b for g in groups for b in distopt.layout(g, args, index.topology.dp, rank.pp)):
                 if len(buffer.buckets) > 1:
                     raise UnreadableInput(
@@ -280,7 +279,7 @@ def _optimizers(index, spec, args, chained: bool):
         if not chained:
             yield None, rank.pp * topo.tp + rank.tp, rank, rank.chunks
             continue
-        dense, experts = distopt.split_experts(rank.chunks, lambda u: expert_of(rank.tensors[u].name) is not None)
+        dense, experts = rank.optimizer_chunks(chained)
         if rank.ep == 0:
             yield 0, rank.pp * topo.tp + rank.tp, rank, dense
         if rank.tp < topo.expert_tp:

@@ -50,7 +50,7 @@ from typing import Any, Callable, Hashable, Iterable
 import torch
 
 from ckptool.core.errors import UnreadableInput
-from ckptool.core.layout import WORD_EMBEDDINGS, LocalTensor, ModelSpec, stage_layers
+from ckptool.core.layout import WORD_EMBEDDINGS, LocalTensor, ModelSpec, expert_of, stage_layers
 from ckptool.core.layout import layout as model_layout
 from ckptool.core.topology import Topology
 from converters.schemas.megatron import SCHEMAS, parameter_order
@@ -121,6 +121,13 @@ class RankParams:
     def named(self) -> list[tuple[int, str, LocalTensor]]:
         """``(chunk, local name, local tensor)`` of every parameter, in named_parameters() order."""
         return [(t.chunk, name.split("/", 1)[1], t) for name, t in self.tensors.items()]
+
+    def optimizer_chunks(self, chained: bool) -> list[list[list[Param]]]:
+        """The chunks of each of the rank's distributed optimizers' grad buffers: ``[all]``,
+        or for a ChainedOptimizer (experts at EP > 1) ``[dense, expert]`` (:func:`split_experts`)."""
+        if not chained:
+            return [self.chunks]
+        return split_experts(self.chunks, lambda name: expert_of(self.tensors[name].name) is not None)
 
 
 def rank_params(spec: ModelSpec, topo: Topology, schema: str,

@@ -559,8 +559,7 @@ class MegatronWriter(UnevenStages, Writer):
         by Megatron's buffer rule for the target's parameters; the gaps between parameters
         are zeros, as Megatron's."""
         args = index.objects["args"].value
-        groups = distopt.split_experts(rank.chunks, lambda u: expert_of(rank.tensors[u].name) is not None) \
-            if chained else [rank.chunks]
+        groups = rank.optimizer_chunks(chained)
         try:
             subs = [distopt.layout(group, args, topo.dp, rank.pp) for group in groups]
         except UnreadableInput as exc:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ckptool.core.errors import UnreadableInput, UsageError
+from ckptool.core.layout import expert_of
 from ckptool.core.optimizer import (
     KINDS,
     PREFIX,
@@ -71,7 +72,7 @@ def megatron_groups(params: list[tuple[str, int]], ep: int = 1) -> list[tuple[st
     decay (biases, 1-D), then at EP > 1 the experts' without. At EP 1 experts are not
     expert-parallel and sit with the dense parameters in their order."""
     def expert(name):
-        return ep > 1 and ".local_experts." in name
+        return ep > 1 and expert_of(name) is not None
     groups = [("decay", [n for n, d in params if not no_decay(n, d) and not expert(n)])]
     if ep > 1:
         groups.append(("expert_decay", [n for n, d in params if not no_decay(n, d) and expert(n)]))
