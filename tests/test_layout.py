@@ -174,3 +174,13 @@ def test_megatron_deepspeed_args_spellings_read_as_megatron_lms():
     assert spec_from_args(ds)[0] == spec_from_args(lm)[0]
     spec = spec_from_args(ds)[0]
     assert (spec.normalization, spec.learned_positions, spec.groups) == ("RMSNorm", False, 2)
+
+
+def test_the_hook_refuses_ranks_outside_the_topology_in_one_line():
+    """training.megatron.sharded_state of a TP rank the topology does not have: a UsageError
+    naming it, not a StopIteration from the layout lookup."""
+    from ckptool.core.errors import UsageError
+    from training.megatron import sharded_state
+
+    with pytest.raises(UsageError, match="TP rank 5 / PP rank 0 is not a rank of TP2"):
+        sharded_state({}, ModelSpec(**GPT), Topology(tp=2), tp_rank=5, pp_rank=0)

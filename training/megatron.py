@@ -57,8 +57,11 @@ def sharded_state(model, spec: ModelSpec, topo: Topology, *, tp_rank: int, pp_ra
         raise UsageError(f"TP rank {tp_rank} / DP rank {dp_rank} of {topo} is EP rank {derived_ep} in "
                          f"Megatron-Core's rank order (tp-cp-ep-dp-pp), not {ep_rank}",
                          hint="ckptool lays out the default order only")
-    rank = next(r for r in layout(spec, topo)
-                if (r.pp_rank, r.tp_rank, r.ep_rank) == (pp_rank, tp_rank, derived_ep))
+    rank = next((r for r in layout(spec, topo)
+                 if (r.pp_rank, r.tp_rank, r.ep_rank) == (pp_rank, tp_rank, derived_ep)), None)
+    if rank is None:
+        raise UsageError(f"TP rank {tp_rank} / PP rank {pp_rank} is not a rank of {topo}",
+                         hint="Pass this process's ranks in the Topology given to sharded_state")
     expected = {(t.chunk, t.name): t for t in rank.tensors}
     tied = spec.tied_embeddings and pp_rank == topo.pp - 1 and pp_rank > 0
 
