@@ -46,16 +46,6 @@ def _reshard(run_cli, src, dst, tp: int, pp: int, dp: int = 1):
     assert f"-> {dst} (TP{tp}/PP{pp}/DP{dp}/ZeRO-1), deepspeed" in res.out
 
 
-def _whole(shards: list[torch.Tensor], name: str) -> torch.Tensor:
-    """The full tensor from its TP shards (rank order); a replicated one must be the same on
-    every rank."""
-    dim = T.split_dim(name)
-    if dim is not None:
-        return torch.cat(shards, dim)
-    assert all(torch.equal(s, shards[0]) for s in shards[1:]), name
-    return shards[0]
-
-
 def _check(results: list[dict], source: dict, loss: float, stages: int, dps: int = 1) -> int:
     """Every (stage, DP rank)'s TP pair against the source; the tensors checked."""
     by_stage: dict[tuple[int, int], dict[int, dict]] = {}
@@ -72,13 +62,13 @@ def _check(results: list[dict], source: dict, loss: float, stages: int, dps: int
             names = tps[0]["state"][kind]
             assert all(t["state"][kind].keys() == names.keys() for t in tps)
             for name in names:
-                got = _whole([t["state"][kind][name] for t in tps], name)
+                got = T.whole([t["state"][kind][name] for t in tps], name)
                 assert torch.equal(got, source[kind, name]), (stage, kind, name)
                 checked += 1
         for name in tps[0]["module"]:
             if stage > 0 and name == DEAD:
                 continue
-            got = _whole([t["module"][name] for t in tps], name)
+            got = T.whole([t["module"][name] for t in tps], name)
             assert torch.equal(got, source["params", name]), (stage, "module", name)
     return checked
 

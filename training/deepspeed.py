@@ -21,6 +21,18 @@ builds it), so a checkpoint saved at DP=2 loads at DP=3, or converts offline:
   them back into the engine.
 
 Adam state is created (zero) if the engine has not stepped yet, so a load fills it in place.
+
+Pipeline engines (Megatron-DeepSpeed's ``PipelineEngine`` over a ``GPTModelPipe``, with
+Megatron tensor parallelism on the topology's ``model`` axis) are described by the offline
+pipeline reader's rules (``converters.deepspeed.pipe``), from the job's Megatron ``args``:
+each ``PipelineModule`` parameter (``{idx}.{local}``, ``tied_modules.embed.{local}``) is
+placed by :func:`~converters.deepspeed.pipe.place_parameter` (spec index to layer, legacy
+name to canonical key, the TP split of its layout rule), and each DP rank's ZeRO-1 or
+``BF16_Optimizer`` partition of the stage's param groups is cut into those TP shards'
+regions (:func:`~converters.deepspeed.pipe.flat_regions`). The keys are the canonical ones
+the reader gives a DeepSpeed pipeline checkpoint of the same job, so a job saved at
+TP2/PP2/DP1 resumes at TP1/PP2/DP2 or TP2/PP1/DP2. The last stage's copy of the tied word
+embeddings is a replica; its dead copy of the position embeddings is not described.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import torch
 from ckptool.core.errors import UsageError
 from ckptool.core.optimizer import state_key
 from ckptool.core.regions import Region, Shard
+from converters.deepspeed.pipe import flat_regions, pipe_layers, place_parameter
 from converters.deepspeed.zero import (
     parameter_alignment,
     zero3_partition,
@@ -40,10 +53,14 @@ from training.state import Sharded
 ADAM_KINDS = ("exp_avg", "exp_avg_sq")
 
 
-def sharded_state(engine) -> dict:
-    """``{"model", "optimizer", "engine"}`` for this rank of a DeepSpeed ZeRO-1/2/3 engine."""
+def sharded_state(engine, args=None) -> dict:
+    """``{"model", "optimizer", "engine"}`` for this rank of a DeepSpeed ZeRO-1/2/3 engine,
+    or of a pipeline engine (``args``: the job's Megatron args, a Namespace or a dict, which
+    say which layer is which and how TP splits it)."""
     import torch.distributed as dist  # lazy: only a multi-rank engine needs it
 
+    if _is_pipeline(engine):
+        return _pipeline_state(engine, args)
     stage = engine.zero_optimization_stage()
     opt = engine.optimizer
     if stage not in (1, 2, 3):
@@ -53,7 +70,9 @@ def sharded_state(engine) -> dict:
                          hint="ZeRO-1/2 with DeepSpeedZeroOptimizer (fp32 or bf16 without "
                               "grad_accum_dtype=fp32) is")
     if getattr(engine, "mp_world_size", 1) != 1:
-        raise UsageError("model-parallel DeepSpeed engines (mp > 1) are not supported yet")
+        raise UsageError("model-parallel DeepSpeed engines (mp > 1) are described as pipeline "
+                         "engines only", hint="Build the model as a deepspeed.pipe.PipelineModule "
+                                              "(Megatron-DeepSpeed's GPTModelPipe)")
     group = engine.data_parallel_group
     dp = dist.get_world_size(group) if dist.is_initialized() else 1
     dp_rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -109,6 +128,98 @@ def sharded_state(engine) -> dict:
     return {"model": model_state, "optimizer": optim_state, "engine": _engine_objects(engine)}
 
 
+def _is_pipeline(engine) -> bool:
+    return hasattr(engine, "grid") and hasattr(engine.module, "_layer_specs")
+
+
+def _pipeline_state(engine, args) -> dict:
+    """:func:`sharded_state` of a ``PipelineEngine`` rank (see the module docstring)."""
+    import argparse
+
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    from ckptool.core.layout import check
+    from ckptool.core.topology import Topology
+    from converters.schemas.megatron import params_by_key
+    from converters.schemas.megatron_args import spec_from_args
+
+    if args is None:
+        raise UsageError("a pipeline engine is described from the job's Megatron args (which "
+                         "layer is which, how TP splits it)",
+                         hint="Pass args=megatron.get_args(), or a dict of the model's Megatron "
+                              "arguments")
+    spec, _, _ = spec_from_args(args if isinstance(args, argparse.Namespace)
+                                else argparse.Namespace(**args))
+    grid, module, opt = engine.grid, engine.module, engine.optimizer
+    stage = engine.zero_optimization_stage()
+    tp, tp_rank = grid.get_slice_parallel_world_size(), grid.get_slice_parallel_rank()
+    pp, pp_rank = grid.get_pipe_parallel_world_size(), grid.get_stage_id()
+    dp, dp_rank = grid.get_data_parallel_world_size(), grid.get_data_parallel_rank()
+    topo = Topology(tp=tp, pp=pp, dp=dp, zero=stage)
+    check(spec, topo)
+    where = f"pipeline stage {pp_rank}, TP rank {tp_rank}"
+    stateful = [i for i, s in enumerate(module._layer_specs) if isinstance(s, LayerSpec)
+                and not (isinstance(s, TiedLayerSpec) and s.forward_fn is not None)]
+    layers = pipe_layers(stateful, spec, where)
+    params, padded = params_by_key(spec), spec.padded_vocab(tp)
+
+    model_state, placed = {}, {}
+    named = dict(module.named_parameters())
+    extra = [k for k in module.state_dict() if k not in named]
+    if extra:
+        raise UsageError(f"the pipeline module holds state that is not a parameter: {extra[:3]}",
+                         hint="training.deepspeed describes GPTModelPipe's parameters")
+    for name, p in named.items():
+        placed[name] = place_parameter(name, p.shape, layers, pp_rank, tp_rank, params, padded,
+                                       topo, where)
+        if placed[name] is None:  # the last stage's dead copy of the position embeddings
+            continue
+        canonical, replica, tshard = placed[name]
+        model_state[canonical] = Sharded(p.data, tshard, replica or dp_rank > 0)
+
+    if hasattr(opt, "single_partition_of_fp32_groups") and stage == 1:  # ZeRO-1
+        masters, keeps_padding = opt.single_partition_of_fp32_groups, False
+        groups = [[(n, tuple(s)) for n, s in g.items()] for g in engine._get_zero_param_shapes()]
+        align = parameter_alignment(bool(getattr(opt, "parameter_alignment", False)),
+                                    next(iter(named.values())).dtype)
+    elif hasattr(opt, "fp32_groups_flat_partition") and stage == 0:  # BF16_Optimizer
+        masters, keeps_padding, align = opt.fp32_groups_flat_partition, True, 1
+        names = {id(p): n for n, p in named.items()}
+        groups = [[(names[id(p)], tuple(p.shape)) for p in g] for g in opt.bf16_groups]
+    else:
+        raise UsageError(f"a pipeline engine with {type(opt).__name__} at ZeRO-{stage} is not "
+                         "supported", hint="ZeRO-1 (fp32, bf16) and BF16_Optimizer are")
+    if len(masters) != len(groups):
+        raise UsageError(f"{len(masters)} fp32 partitions for {len(groups)} param groups")
+
+    optim_state = {}
+    for g, (group, flat) in enumerate(zip(groups, masters)):
+        shard, pad = zero_partition(group, dp, dp_rank, align=align)
+        if flat.numel() != shard.shape[0] - (0 if keeps_padding else pad):
+            raise UsageError(f"fp32 partition of param group {g} has {flat.numel()} elements, the "
+                             f"ZeRO rule at DP{dp} says {shard.shape[0]}", hint=where)
+        state = _adam_state(opt.optimizer, flat)
+        for kind, buffer in [("fp32_param", flat.data)] + [(k, state[k]) for k in ADAM_KINDS]:
+            flat_buffer = buffer.view(-1)
+            for offset, region in shard.parts:
+                if placed[region.key] is None:
+                    continue
+                canonical, replica, tshard = placed[region.key]
+                lo, hi = region.flat
+                key = state_key(kind, canonical)
+                optim_state[key] = Sharded(flat_buffer[offset:offset + hi - lo], Shard(
+                    (hi - lo,), tuple(flat_regions(tshard.parts, lo, hi, key))), replica)
+        for name, _ in group:  # every rank holds the group's step; one writes each
+            if placed[name] is None:
+                continue
+            canonical, replica, _ = placed[name]
+            key = state_key("step", canonical)
+            optim_state[key] = Sharded(state["step"], Shard.of(Region.whole(key, ())),
+                                       replica or dp_rank > 0 or tp_rank > 0)
+
+    return {"model": model_state, "optimizer": optim_state, "engine": _engine_objects(engine)}
+
+
 def _adam_state(optimizer: torch.optim.Optimizer, flat: torch.Tensor) -> dict:
     """The torch Adam state of one flat partition, created (zero) if it has not stepped."""
     state = optimizer.state[flat]
@@ -125,25 +236,48 @@ def _adam_state(optimizer: torch.optim.Optimizer, flat: torch.Tensor) -> dict:
     return state
 
 
+_SCALER = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "scale_factor",
+           "scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis")
+"""A loss scaler's state: DeepSpeed's DynamicLossScaler attributes (a static one has cur_scale)."""
+
+
 def _engine_objects(engine) -> dict:
     scheduler = getattr(engine, "lr_scheduler", None)
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
     return {
         "global_steps": int(engine.global_steps),
         "global_samples": int(engine.global_samples),
+        "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
+        "loss_scaler": {k: _plain(getattr(scaler, k)) for k in _SCALER if hasattr(scaler, k)}
+        if scaler is not None else None,
         "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
                          for g in engine.optimizer.optimizer.param_groups],
     }
 
 
+def _plain(value):
+    """A scaler attribute as a plain number (some DeepSpeed versions keep tensors)."""
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
 def restore(engine, state: dict) -> None:
     """Put the loaded ``engine`` objects of ``state`` (after ``load_latest``) back into
-    ``engine``: step counters, LR scheduler, param-group hyperparameters (the LR in use)."""
+    ``engine``: step counters, LR scheduler, the loss scaler (fp16: the dynamic scale and
+    its counters), param-group hyperparameters (the LR in use)."""
     objects = state.get("engine") or {}
     if "global_steps" in objects:
         engine.global_steps = objects["global_steps"]
     if "global_samples" in objects:
         engine.global_samples = objects["global_samples"]
+    if "skipped_steps" in objects:
+        engine.skipped_steps = objects["skipped_steps"]
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    for name, value in (objects.get("loss_scaler") or {}).items():
+        if scaler is not None and hasattr(scaler, name):
+            current = getattr(scaler, name)
+            setattr(scaler, name, torch.tensor(value, dtype=current.dtype, device=current.device)
+                    if isinstance(current, torch.Tensor) else value)
     scheduler = getattr(engine, "lr_scheduler", None)
     if scheduler is not None and objects.get("lr_scheduler") is not None:
         scheduler.load_state_dict(objects["lr_scheduler"])

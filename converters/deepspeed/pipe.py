@@ -269,9 +269,21 @@ def read_pipeline(reader, store, tag: str, names: list[str]) -> CheckpointIndex:
 
 
 def _pipe_layers(layer_files: dict, spec, topo, where: str) -> PipeLayers:
-    """Which spec index is which module, checked against the files found: the embedding is
-    the first file, then ``num_layers`` layers, the final norm and, untied, the head."""
-    indices = sorted({idx for idx, _ in layer_files})
+    """Which spec index is which module, checked against the files found (see
+    :func:`pipe_layers`); every layer has one file per TP rank."""
+    layers = pipe_layers(sorted({idx for idx, _ in layer_files}), spec, where)
+    for idx in range(layers.embedding, layers.final_norm + (layers.head is not None) + 1):
+        ranks = sorted(tp for i, tp in layer_files if i == idx)
+        if ranks != list(range(topo.tp)):
+            raise BadCheckpoint(f"layer {idx:02d} has files for TP ranks {ranks}, args say TP{topo.tp}",
+                                path=where)
+    return layers
+
+
+def pipe_layers(indices: list[int], spec, where: str) -> PipeLayers:
+    """Which spec index is which module, from the sorted spec indices that hold state (a
+    layer file each): the embedding is the first, then ``num_layers`` layers, the final norm
+    and, untied, the head."""
     count = spec.num_layers + (2 if spec.tied_embeddings else 3)
     expected = range(indices[0], indices[0] + count)
     gaps = [i for i in expected if i not in indices]
@@ -282,11 +294,6 @@ def _pipe_layers(layer_files: dict, spec, topo, where: str) -> PipeLayers:
                               f"{spec.num_layers} layers ({'tied' if spec.tied_embeddings else 'untied'}) "
                               f"has {count} consecutive ones", path=where,
                               hint="ckptool reads Megatron-DeepSpeed's GPTModelPipe layer order")
-    for idx in indices:
-        ranks = sorted(tp for i, tp in layer_files if i == idx)
-        if ranks != list(range(topo.tp)):
-            raise BadCheckpoint(f"layer {idx:02d} has files for TP ranks {ranks}, args say TP{topo.tp}",
-                                path=where)
     return PipeLayers(indices[0], spec.num_layers, indices[-1] if not spec.tied_embeddings else None)
 
 
@@ -304,7 +311,8 @@ def _read_optimizer(reader, store, index, ms_rel, rels, mp, layers: PipeLayers, 
                                        padded, topo, source)
     where = {}
     for name, shape in (p for g in groups for p in g):
-        where[name] = _place(name, shape, layers, pp_rank, tp_rank, params, padded, topo, source)
+        placed = place_parameter(name, shape, layers, pp_rank, tp_rank, params, padded, topo, source)
+        where[name] = placed and (placed[0], placed[1], placed[2].parts)
     dp = len(rels)
     for rank, rel in enumerate(rels):
         source = store.display(rel)
@@ -419,9 +427,12 @@ def _canonical(name, layers: PipeLayers, params, source):
     return canonical, param, found[0], replica
 
 
-def _place(name, shape, layers: PipeLayers, pp_rank, tp_rank, params, padded, topo, source):
-    """(canonical key, is a replica, TP shard parts) of a stage's parameter, or None for
-    the last stage's dead copy of the tied embedding module's other weights."""
+def place_parameter(name, shape, layers: PipeLayers, pp_rank, tp_rank, params, padded, topo,
+                    source) -> tuple[str, bool, Shard] | None:
+    """(canonical key, is a replica, the TP shard) of a stage's ``PipelineModule`` parameter
+    ``name`` of local ``shape``, or None for the last stage's dead copy of the tied embedding
+    module's other weights. The one rule the reader, the writer and the training hook
+    (``training.deepspeed``) place a pipeline parameter by."""
     canonical, param, idx, replica = _canonical(name, layers, params, source)
     if pp_rank > 0 and idx == layers.embedding:  # the last stage's tied copy
         if canonical != WORD_EMBEDDINGS:
@@ -432,7 +443,7 @@ def _place(name, shape, layers: PipeLayers, pp_rank, tp_rank, params, padded, to
         raise BadCheckpoint(f"{name} is {list(shape)}, the layout from args says {list(tshard.shape)}",
                             path=source)
     replica = replica or (param.rule == "replicated" and tp_rank > 0)
-    return canonical, replica, tshard.parts
+    return canonical, replica, tshard
 
 
 # ----------------------------------------------------------------------- the stage rule

@@ -200,8 +200,9 @@ def _tp_group(topo) -> None:
             _TP.update(group=group, rank=ranks.index(rank), size=len(ranks))
 
 
-def engine(tp: int, pp: int, dp: int):
-    """:func:`tests.harness.deepspeed_pipe.engine`'s fp32 ZeRO-1 engine at TP ``tp``."""
+def engine(tp: int, pp: int, dp: int, stage: int = 1, precision: str = "fp32"):
+    """:func:`tests.harness.deepspeed_pipe.engine`'s engine at TP ``tp`` (fp32 ZeRO-1 by
+    default; bf16 at stage 0 is DeepSpeed's BF16_Optimizer)."""
     import deepspeed
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -214,11 +215,21 @@ def engine(tp: int, pp: int, dp: int):
     for name, p in model.named_parameters():
         assert getattr(p, "tensor_model_parallel", False) == (split_dim(name) is not None), name
     groups = H.decay_groups(model)
-    cfg = H.config(1, dp, "fp32")
+    cfg = H.config(stage, dp, precision)
     cfg.update(train_batch_size=P.GLOBAL, train_micro_batch_size_per_gpu=H.PIPE_MICRO,
                gradient_accumulation_steps=P.GLOBAL // (H.PIPE_MICRO * dp))
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
     return eng
+
+
+def whole(shards: list[torch.Tensor], name: str) -> torch.Tensor:
+    """The full tensor from its TP shards (rank order); a replicated one must be the same on
+    every rank."""
+    dim = split_dim(name)
+    if dim is not None:
+        return torch.cat(shards, dim)
+    assert all(torch.equal(s, shards[0]) for s in shards[1:]), name
+    return shards[0]
 
 
 def _load_worker(rank: int, world: int, jobs: list, port: int) -> None:

@@ -1,0 +1,168 @@
+"""The save hook inside a Megatron-DeepSpeed-style 3D job: a real DeepSpeed ``PipelineEngine``
+over the GPTModelPipe-shaped model made tensor-parallel (``tests/harness/deepspeed_pipe_tp.py``)
+trains at TP2 x PP2 x DP1 on 4 gloo ranks and saves through ``AsyncCheckpointer`` with
+``training.deepspeed.sharded_state(engine, args=...)``, then takes one more step (the run that
+went on). Fresh processes then build the engine at TP1 x PP2 x DP2 and at TP2 x PP1 x DP2,
+``load_latest`` into their description, ``restore`` and take the same step.
+
+Checked by parameter name, TP shards concatenated by the harness's own rule (not ckptool's):
+the fp32 masters and Adam moments the new engine holds (DeepSpeed's ``safe_get_full_*``, which
+gathers each DP partition) equal the saved engine's bit for bit, the module weights too, and
+the first resumed loss is the uninterrupted run's. Cases: fp32 ZeRO-1, bf16 ZeRO-1, and bf16
+with DeepSpeed's BF16_Optimizer (stage 0), which Megatron-DeepSpeed's bf16 runs use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import torch
+
+from tests.conftest import peer
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+peer("deepspeed")
+
+from tests.harness import deepspeed_engine as H  # noqa: E402
+from tests.harness import deepspeed_pipe as P  # noqa: E402
+from tests.harness import deepspeed_pipe_tp as T  # noqa: E402
+from tests.harness.deepspeed_pipe import DEAD, KINDS  # noqa: E402
+
+WORLD = 4
+CASES = (("fp32", 1, "fp32"), ("bf16", 1, "bf16"), ("bf16opt", 0, "bf16"))
+"""(name, ZeRO stage, precision); bf16 at stage 0 runs DeepSpeed's BF16_Optimizer."""
+TARGETS = ((1, 2), (2, 1))
+"""(TP, PP) of the resumed jobs, DP = 4 / (TP * PP) = 2."""
+
+
+def _args(tp: int, pp: int) -> argparse.Namespace:
+    return argparse.Namespace(**H.PIPE_ARGS, tensor_model_parallel_size=tp,
+                              pipeline_model_parallel_size=pp, world_size=WORLD,
+                              data_parallel_size=WORLD // (tp * pp), iteration=H.STEPS)
+
+
+def _record(eng) -> dict:
+    return {"state": H.full_state(eng), "stage": eng.stage_id, "tp": T._TP["rank"],
+            "dp": eng.grid.data_parallel_id, "global_steps": eng.global_steps,
+            "module": {n: p.detach().clone() for n, p in eng.module.named_parameters()},
+            "lr": eng.optimizer.optimizer.param_groups[0]["lr"]}
+
+
+def _save_worker(rank: int, world: int, root: str, port: int) -> None:
+    from training import AsyncCheckpointer
+    from training.deepspeed import sharded_state
+
+    H._init(rank, world, port)
+    for name, stage, precision in CASES:
+        eng = T.engine(2, 2, 1, stage, precision)
+        for step in range(H.STEPS):
+            P.train_batch(eng, step)
+        ckpt = AsyncCheckpointer(f"{root}/{name}", topology={"tp": 2, "pp": 2, "dp": 1, "zero": stage})
+        ckpt.save(H.STEPS, sharded_state(eng, args=vars(_args(2, 2))))
+        ckpt.wait()
+        args = _args(2, 2)
+        args.bf16 = precision == "bf16"
+        eng.save_checkpoint(f"{root}/ds_{name}", client_state={"args": args, "checkpoint_version": 3.0,
+                                                               "iteration": H.STEPS})
+        record = _record(eng)
+        record["loss"] = P.train_batch(eng, H.NEXT_STEP)
+        torch.save(record, f"{root}/{name}.rank{rank}.truth.pt")
+
+
+def _load_worker(rank: int, world: int, root: str, port: int) -> None:
+    from training import AsyncCheckpointer
+    from training.deepspeed import restore, sharded_state
+
+    H._init(rank, world, port)
+    for name, stage, precision in CASES:
+        for tp, pp in TARGETS:
+            eng = T.engine(tp, pp, world // (tp * pp), stage, precision)
+            state = sharded_state(eng, args=_args(tp, pp))
+            step = AsyncCheckpointer(f"{root}/{name}").load_latest(state)
+            restore(eng, state)
+            record = _record(eng)
+            record["step"] = step
+            record["loss"] = P.train_batch(eng, H.NEXT_STEP)
+            torch.save(record, f"{root}/{name}.tp{tp}pp{pp}.rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def hook(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds_pipe_hook")
+    P._spawn(_save_worker, WORLD, str(root))
+    P._spawn(_load_worker, WORLD, str(root))
+    return root
+
+
+def _by_name(records: list[dict]) -> dict:
+    """(kind, parameter name) -> the whole tensor (TP shards joined), over every stage; a
+    tied module's from the first stage (the last stage's dead copy of the position
+    embeddings is never described, so it is left out)."""
+    out: dict = {}
+    stages: dict[tuple[int, int], dict[int, dict]] = {}
+    for r in records:
+        stages.setdefault((r["stage"], r["dp"]), {})[r["tp"]] = r
+    for (stage, _), ranks in sorted(stages.items()):
+        tps = [ranks[t] for t in sorted(ranks)]
+        for kind in (*KINDS, "module"):
+            tensors = tps[0]["state"][kind] if kind != "module" else tps[0]["module"]
+            for name in tensors:
+                if stage > 0 and name == DEAD:
+                    continue
+                shards = [(t["state"][kind] if kind != "module" else t["module"])[name] for t in tps]
+                out.setdefault((kind, name), T.whole(shards, name))
+    return out
+
+
+def _load(root, pattern: str) -> list[dict]:
+    return [torch.load(root / pattern.format(r), weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("tp,pp", TARGETS, ids=[f"tp{t}pp{p}dp2" for t, p in TARGETS])
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_tp2_pp2_hook_checkpoint_resumes_at_another_topology(hook, name, tp, pp):
+    truth = _load(hook, f"{name}.rank{{}}.truth.pt")
+    got = _load(hook, f"{name}.tp{tp}pp{pp}.rank{{}}.pt")
+    source, loaded = _by_name(truth), _by_name(got)
+    assert sorted(loaded) == sorted(source)
+    assert len(source) == 4 * 52  # masters, two moments and weights of 52 parameters
+    for key, value in source.items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+    loss = truth[0]["loss"]
+    assert {r["loss"] for r in truth} == {loss}  # every rank of a pipeline reports it
+    for r in got:
+        assert r["step"] == H.STEPS and r["global_steps"] == H.STEPS
+        assert r["lr"] == truth[0]["lr"]
+        assert abs(r["loss"] - loss) / abs(loss) < 1e-5, (r["stage"], r["tp"], r["loss"], loss)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_pipeline_hook_keys_are_the_offline_readers(hook, name, run_cli):
+    """The hook's global tensors are those ckptool reads from DeepSpeed's own checkpoint of
+    the same engine (shapes and dtypes), plus the per-parameter step; it verifies deeply."""
+    import ckptool
+    from ckptool.checkpoints.open import open_checkpoint
+
+    newest = ckptool.latest(str(hook / name)).path
+    ours = open_checkpoint(newest).index.tensors
+    theirs = open_checkpoint(str(hook / f"ds_{name}")).index.tensors
+    steps = {k for k in ours if k.startswith("optimizer.state.step.")}
+    assert {k: (tuple(v.shape), v.dtype) for k, v in ours.items() if k not in steps} == \
+        {k: (tuple(v.shape), v.dtype) for k, v in theirs.items()}
+    assert steps == {k.replace(".exp_avg.", ".step.") for k in theirs if ".exp_avg." in k}
+    res = run_cli("verify", newest, "--deep")
+    assert res.code == 0, res.out + res.err
+
+
+def test_pipeline_engine_without_args_is_refused():
+    from ckptool.core.errors import UsageError
+    from training.deepspeed import sharded_state
+
+    class Engine:  # what sharded_state looks at first: a grid and a PipelineModule's specs
+        grid = object()
+        module = type("M", (), {"_layer_specs": []})()
+
+    with pytest.raises(UsageError, match="Megatron args"):
+        sharded_state(Engine())
