@@ -29,7 +29,7 @@ each ``PipelineModule`` parameter (``{idx}.{local}``, ``tied_modules.embed.{loca
 placed by :func:`~converters.deepspeed.pipe.place_parameter` (spec index to layer, legacy
 name to canonical key, the TP split of its layout rule), and each DP rank's ZeRO-1 or
 ``BF16_Optimizer`` partition of the stage's param groups is cut into those TP shards'
-regions (:func:`~converters.deepspeed.pipe.flat_regions`). The keys are the canonical ones
+regions (:func:`~ckptool.core.regions.flat_regions`). The keys are the canonical ones
 the reader gives a DeepSpeed pipeline checkpoint of the same job, so a job saved at
 TP2/PP2/DP1 resumes at TP1/PP2/DP2 or TP2/PP1/DP2. The last stage's copy of the tied word
 embeddings is a replica; its dead copy of the position embeddings is not described.
@@ -41,8 +41,8 @@ import torch
 
 from ckptool.core.errors import UsageError
 from ckptool.core.optimizer import state_key
-from ckptool.core.regions import Region, Shard
-from converters.deepspeed.pipe import flat_regions, pipe_layers, place_parameter
+from ckptool.core.regions import Region, Shard, flat_regions
+from converters.deepspeed.pipe import pipe_layers, place_parameter
 from converters.deepspeed.zero import (
     parameter_alignment,
     zero3_partition,

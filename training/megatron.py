@@ -17,6 +17,15 @@ expert-DP ranks follow from its TP and DP ranks (:func:`ckptool.core.layout.expe
 Adam state (``exp_avg``, ``exp_avg_sq``, ``step``) of a ``torch.optim.Adam``/``AdamW`` over
 the same parameters goes under ``optimizer.state.<kind>.<key>``, the names the Megatron
 converters use, so it reshards with the weights.
+
+Megatron-Core's ``DistributedOptimizer`` (alone or in a ``ChainedOptimizer``, bf16 weights
+with fp32 main params or fp32): each DP rank holds, per parameter, the contiguous range
+``[start, end)`` of its TP shard's flat elements that mcore's buffer gives it
+(``_get_model_param_range_map``), as a 1-D fp32 main param with its Adam moments. That range
+is cut into the TP shard's regions (:func:`~ckptool.core.regions.flat_regions`, the rule
+ZeRO partitions use), under ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>``, the
+canonical names ckptool's distributed-optimizer readers give, so the state reshards to any
+TP, PP and DP. The DP rank holding a parameter's first element writes its step.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import torch
 from ckptool.core.errors import UsageError
 from ckptool.core.layout import ModelSpec, expert_name, expert_of, expert_ranks, layout
 from ckptool.core.optimizer import state_key, state_shard
-from ckptool.core.regions import Region, Shard
+from ckptool.core.regions import Region, Shard, flat_regions
 from ckptool.core.topology import Topology
 from converters.schemas.megatron import SCHEMAS, detect_schema
 from training.state import Sharded
@@ -64,6 +73,7 @@ def sharded_state(model, spec: ModelSpec, topo: Topology, *, tp_rank: int, pp_ra
                          hint="Pass this process's ranks in the Topology given to sharded_state")
     expected = {(t.chunk, t.name): t for t in rank.tensors}
     tied = spec.tied_embeddings and pp_rank == topo.pp - 1 and pp_rank > 0
+    distributed = _distributed_optimizers(optimizer)
 
     model_state, optim_state, seen = {}, {}, set()
     for c, params in enumerate(chunks):
@@ -88,7 +98,11 @@ def sharded_state(model, spec: ModelSpec, topo: Topology, *, tp_rank: int, pp_ra
             entry = Sharded(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor,
                             local.shard, replica)
             model_state[key] = entry
-            if optimizer is not None:
+            if distributed is not None:  # DP ranks hold disjoint ranges: no DP replicas
+                first_only = local.replica or tp_rank > 0 or (expert or 0) > 0
+                optim_state.update(_distributed_state(distributed, tensor, key, local.shard,
+                                                      local.replica, region_key, first_only, name))
+            elif optimizer is not None:
                 optim_state.update(_adam_state(optimizer, tensor, key, local.shard, replica,
                                                region_key, step_replica))
     missing = [f"{n} (chunk {c})" for (c, n) in expected if (c, n) not in seen]
@@ -102,10 +116,77 @@ def sharded_state(model, spec: ModelSpec, topo: Topology, *, tp_rank: int, pp_ra
 
 
 def _named_chunks(model) -> list[Mapping[str, torch.Tensor]]:
+    """Each chunk's parameters by local name, without the wrappers' ``module.`` prefixes
+    (``DistributedDataParallel``, ``Float16Module``: what Megatron-LM's ``unwrap_model``
+    takes off)."""
     if isinstance(model, Mapping):
         return [model]
     modules: Iterable = model if isinstance(model, (list, tuple)) else [model]
-    return [dict(m.named_parameters()) for m in modules]
+    return [{_unwrapped(n): p for n, p in m.named_parameters()} for m in modules]
+
+
+def _unwrapped(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def _distributed_optimizers(optimizer) -> list | None:
+    """The Megatron-Core DistributedOptimizers of ``optimizer`` (itself, or those a
+    ChainedOptimizer chains), or None when it is not one."""
+    if optimizer is None:
+        return None
+    inners = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    found = [o for o in inners if hasattr(o, "_get_model_param_range_map")]
+    if not found:
+        return None
+    if len(found) != len(inners):
+        raise UsageError("a ChainedOptimizer that mixes Megatron-Core's DistributedOptimizer with "
+                         "other optimizers is not supported")
+    for o in found:
+        if getattr(o.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+            raise UsageError("Megatron-Core's precision-aware optimizer (TE FusedAdam keeping "
+                             "master params itself) is not supported yet",
+                             hint="Run without --use-precision-aware-optimizer")
+    return found
+
+
+def _distributed_state(inners: list, param: torch.Tensor, key: str, shard: Shard, replica: bool,
+                       step_key: str, step_replica: bool, name: str) -> dict[str, Sharded]:
+    """The fp32 main param, Adam moments and step of this DP rank's range of ``param`` in a
+    DistributedOptimizer (nothing if the range is empty on this rank). The moments and the
+    step are created (zero) if the optimizer has not stepped yet, so a load fills them."""
+    inner = next((o for o in inners if param in o.model_param_group_index_map), None)
+    if inner is None:
+        return {}
+    span = inner._get_model_param_range_map(param)["param"]
+    group, order = inner.model_param_group_index_map[param]
+    main = inner.optimizer.param_groups[group]["params"][order]
+    if main.numel() != span.end - span.start:
+        raise UsageError(f"the distributed optimizer's main param of {name!r} has {main.numel()} "
+                         f"elements, its range [{span.start}, {span.end}) "
+                         f"{span.end - span.start}")
+    state = inner.optimizer.state[main]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        for kind in ADAM_KINDS:
+            state[kind] = torch.zeros_like(main, memory_format=torch.preserve_format)
+    missing = [k for k in ("step", *ADAM_KINDS) if k not in state]
+    if missing:
+        raise UsageError(f"the optimizer {type(inner.optimizer).__name__} has no "
+                         f"{', '.join(missing)} state", hint="training.megatron describes Adam state")
+    out = {}
+    for kind, buffer in (("fp32_param", main), *((k, state[k]) for k in ADAM_KINDS)):
+        k = state_key(kind, key)
+        out[k] = Sharded(buffer.detach().view(-1), Shard(
+            (span.end - span.start,), tuple(flat_regions(shard.parts, span.start, span.end, k))),
+            replica)
+    step = state["step"]
+    if not isinstance(step, torch.Tensor):
+        step = state["step"] = torch.tensor(float(step))
+    out[state_key("step", key)] = Sharded(step, Shard.of(Region.whole(state_key("step", step_key), ())),
+                                          step_replica or span.start > 0)
+    return out
 
 
 def local_expert(t) -> int | None:

@@ -359,3 +359,17 @@ def coverage_problems(shape: Sequence[int], regions: Sequence[Region]) -> Covera
     if result.missing > 0:
         result.problems.append(f"{result.missing} of {total} elements are not stored in any piece")
     return result
+
+
+def flat_regions(parts, start: int, stop: int, key: str) -> list[tuple[int, Region]]:
+    """Elements ``[start, stop)`` of a TP shard whose ``parts`` are ``(local offset, box
+    region)`` (:func:`~ckptool.core.layout.split`), as canonical regions of ``key`` with a
+    flat range, each with its offset from ``start``: how a ZeRO partition's slice of a
+    parameter maps to the global tensor, read and written by the same rule."""
+    out = []
+    for local_offset, box in parts:
+        lo, hi = max(start, local_offset), min(stop, local_offset + box.numel)
+        if lo < hi:
+            out.append((lo - start, Region(key, box.global_shape, box.offsets, box.lengths,
+                                           (lo - local_offset, hi - local_offset))))
+    return out

@@ -62,7 +62,7 @@ from ckptool.core.errors import (
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
 from ckptool.core.layout import WORD_EMBEDDINGS, check, split
 from ckptool.core.optimizer import ParamGroups, state_key
-from ckptool.core.regions import Region, Shard
+from ckptool.core.regions import Shard, flat_regions
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending
 from ckptool.core.torchreader import save_target
@@ -348,20 +348,6 @@ def _read_optimizer(reader, store, index, ms_rel, rels, mp, layers: PipeLayers, 
                         add(index, piece.key, ref, piece, rel, ("optimizer_state_dict", *path),
                             offset + at, replica=replica)
     return groups
-
-
-def flat_regions(parts, start: int, stop: int, key: str) -> list[tuple[int, Region]]:
-    """Elements ``[start, stop)`` of a TP shard whose ``parts`` are ``(local offset, box
-    region)`` (:func:`~ckptool.core.layout.split`), as canonical regions of ``key`` with a
-    flat range, each with its offset from ``start``: how a ZeRO partition's slice of a
-    parameter maps to the global tensor, read and written by the same rule."""
-    out = []
-    for local_offset, box in parts:
-        lo, hi = max(start, local_offset), min(stop, local_offset + box.numel)
-        if lo < hi:
-            out.append((lo - start, Region(key, box.global_shape, box.offsets, box.lengths,
-                                           (lo - local_offset, hi - local_offset))))
-    return out
 
 
 def _optim_layout(reader, store, rel: str, record: PipeLayout, stage: int):

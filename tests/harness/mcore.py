@@ -134,20 +134,20 @@ def _model(m: dict, tp: int, pp: int, pre: bool, post: bool, config: dict | None
 
 def _forward(ps, model, m: dict, tp: int, pp: int) -> torch.Tensor | None:
     """Pipelined forward; returns the full-vocab logits on the last stage's TP rank 0."""
-    rank, pp_rank, tp_rank = dist.get_rank(), ps.get_pipeline_model_parallel_rank(), \
-        ps.get_tensor_model_parallel_rank()
+    pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     tok = tokens(m["vocab_size"])
     pos = torch.arange(SEQ).expand(BATCH, SEQ)
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
     model.eval()
     with torch.no_grad():
         if pp_rank > 0:
-            hidden = torch.empty(SEQ, BATCH, m["hidden_size"])
-            dist.recv(hidden, src=rank - tp)
+            # a stage's input is in the model's dtype (bf16 under Float16Module)
+            hidden = torch.empty(SEQ, BATCH, m["hidden_size"], dtype=next(model.parameters()).dtype)
+            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
             model.set_input_tensor(hidden)
         out = model(tok, pos, mask)
         if pp_rank < pp - 1:
-            dist.send(out.contiguous(), dst=rank + tp)
+            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
             return None
         parts = [torch.empty_like(out) for _ in range(tp)]
         dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
