@@ -1,7 +1,9 @@
 """The save hook in a real Megatron-Core job with the distributed optimizer: bf16 weights
 with fp32 main params at TP2 x PP2 x DP1 (4 gloo ranks) save through ``AsyncCheckpointer``
 (``tests/harness/mcore_hook_distopt.py``); fresh jobs at TP1 x PP2 x DP2 and TP2 x PP1 x DP2
-resume through the hook.
+resume through the hook; ``ckptool convert --to megatron-dist --to-tp 2 --to-pp 1 --to-dp 2``
+of the hook's checkpoint is loaded by Megatron-Core's own ``dist_checkpointing.load`` at
+TP2 x PP1 x DP2.
 
 Ground truth is the optimizer itself, joined into global tensors by hand
 (:func:`tests.harness.mcore_distopt.canonical_state`, not ckptool's rules): the resumed jobs'
@@ -25,31 +27,59 @@ CASES = {"bf16": HD.CASE, "fp32": dict(HD.CASE, bf16=False)}
 TARGETS = {"tp1pp2dp2": dict(tp=1, pp=2), "tp2pp1dp2": dict(tp=2, pp=1)}
 
 
+NATIVE = dict(tp=2, pp=1)
+"""The topology Megatron-Core's own loader reads the converted checkpoint at (DP2)."""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    import ckptool
+    from ckptool.cli import main
+
     root = tmp_path_factory.mktemp("mcore_hook")
     for case, c in CASES.items():
         HD.save(root / case, c)
     HD.resume([(root / case, dict(c, **t), root / f"{case}.{name}")
                for case, c in CASES.items() for name, t in TARGETS.items()])
+    for case in CASES:
+        try:
+            main(["convert", ckptool.latest(str(root / case)).path, str(root / f"{case}.dist"),
+                  "--to", "megatron-dist", "--to-tp", "2", "--to-pp", "1", "--to-dp", "2"])
+        except SystemExit as exc:
+            assert exc.code in (0, None), f"convert exited {exc.code}"
+    HD.native([(root / f"{case}.dist", dict(c, **NATIVE), root / f"{case}.native")
+               for case, c in CASES.items()])
     return root
 
 
-@pytest.mark.parametrize("name", list(TARGETS))
-@pytest.mark.parametrize("case", list(CASES))
-def test_distopt_hook_checkpoint_resumes_at_another_topology(runs, case, name):
+def _resumed(runs, case: str, name: str, target: dict) -> None:
+    """The job resumed in ``runs/{case}.{name}`` at ``target`` has the saved job's state
+    bit for bit and its losses."""
     saved, (before, after) = HD.dumps(runs / f"{case}.truth")
     got, (got_before, got_after) = HD.dumps(runs / f"{case}.{name}")
     truth = D.canonical_state(saved, CASES[case])
-    loaded = D.canonical_state(got, dict(CASES[case], **TARGETS[name]))
+    loaded = D.canonical_state(got, dict(CASES[case], **target))
     assert sorted(loaded) == sorted(truth) and len(truth) == 3 * 52
     for key, value in truth.items():
         assert loaded[key].dtype == torch.float32 and torch.equal(loaded[key], value), key
     # bf16 at another TP: the forward's bf16 activations are rounded after another split
     # (measured 5e-5); the state above is bit-equal all the same
-    tol = 2e-4 if case == "bf16" and TARGETS[name]["tp"] != CASES[case]["tp"] else 1e-5
+    tol = 2e-4 if case == "bf16" and target["tp"] != CASES[case]["tp"] else 1e-5
     assert abs(got_before - before) / abs(before) < tol, (got_before, before)
     assert abs(got_after - after) / abs(after) < tol, (got_after, after)
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_distopt_hook_checkpoint_resumes_at_another_topology(runs, case, name):
+    _resumed(runs, case, name, TARGETS[name])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_converted_hook_checkpoint_loads_in_megatron_core(runs, case):
+    """``dist_checkpointing.load`` (Megatron-Core's own loader, fully_reshardable) of the
+    converted hook checkpoint at TP2 x PP1 x DP2: the same state and losses."""
+    _resumed(runs, case, "native", NATIVE)
 
 
 def test_distopt_hook_checkpoint_verifies(runs, run_cli):

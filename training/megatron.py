@@ -112,7 +112,20 @@ def sharded_state(model, spec: ModelSpec, topo: Topology, *, tp_rank: int, pp_ra
     state = {"model": model_state}
     if optimizer is not None:
         state["optimizer"] = optim_state
+    if distributed is not None:
+        state["megatron"] = {"distributed_optimizer": distributed_common(distributed)}
     return state
+
+
+def distributed_common(inners: list) -> dict:
+    """What Megatron-LM keeps of a DistributedOptimizer beside its parameter state (its
+    ``state_dict()``: param groups with the step, the grad scaler), for each optimizer of a
+    ChainedOptimizer (``[dense, expert]``), and each grad buffer's ``(param dtype, grad
+    dtype)``: what ``ckptool convert --to megatron/megatron-dist`` writes the optimizer's
+    common state from (:func:`converters.megatron.distopt.hook_meta`)."""
+    return {"states": [o.state_dict() for o in inners],
+            "buffer_dtypes": sorted({(b.param_dtype, b.grad_dtype) for o in inners for b in o.buffers},
+                                    key=str)}
 
 
 def _named_chunks(model) -> list[Mapping[str, torch.Tensor]]:

@@ -190,12 +190,12 @@ def rewrite(opened: Opened, dst: str, fmt: str, options: RewriteOptions,
     refuse_uncarried_config(index, fmt)
     refuse_uncarried_args(index, fmt)
     target_topo = writer.target_topology(source_topo, changes)
+    writer.bind(opened)
     uncarried = writer.unsupported_state(index)
     if uncarried and not options.drop_optimizer:
         raise UsageError(f"the optimizer state cannot be carried: {uncarried}", path=opened.store.url,
                          hint="Pass --drop-optimizer to write the model weights only (resume with "
                               "Megatron's --no-load-optim)")
-    writer.bind(opened)
     spec = writer.target_spec(index, source_topo, target_topo, options.true_vocab_size)
     if spec is not None:
         check_layout(spec, target_topo)

@@ -171,6 +171,9 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
         super().configure(**options)
         self._schedule = optim.parse_schedule(megatron_lr_schedule) if megatron_lr_schedule else None
 
+    def bind(self, opened) -> None:
+        distopt.adopt_hook_state(opened)  # a save-hook checkpoint of a distributed-optimizer job
+
     def notes(self, index) -> list[str]:
         notes = ["torch_dist outputs hold no RNG state: their args say no_save_rng, so Megatron-LM's "
                  "loader starts the RNG from the job's seed without --no-load-rng", *feature_notes(index)]
@@ -178,7 +181,8 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
             notes.append(self._from_deepspeed.note)
         if self._distributed is not None:
             source = index.layout(distopt.Meta).sharding
-            was = f"'{source}' in the source" if source else "distrib_optim.pt in the source"
+            was = {None: "distrib_optim.pt in the source", distopt.HOOK_SHARDING: "the save hook's "
+                   "per-rank ranges in the source"}.get(source, f"'{source}' in the source")
             notes.append(f"the distributed optimizer's state is written in Megatron-Core's "
                          f"'{dist_distopt.WRITTEN}' form ({was}): model-shaped, so megatron-core "
                          "loads it at any TP/PP/DP; common.pt's content_metadata says "

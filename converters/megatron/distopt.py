@@ -99,7 +99,8 @@ class Meta:
     state: dict
     """``model_optim_rng.pt["optimizer"]``: param groups (with the step), grad scaler."""
     sharding: str | None = None
-    """The ``torch_dist`` source's ``param_state_sharding_type``; None for ``distrib_optim.pt``."""
+    """The ``torch_dist`` source's ``param_state_sharding_type``; None for ``distrib_optim.pt``,
+    :data:`HOOK_SHARDING` for a save-hook checkpoint."""
     expert_state: dict | None = None
     """The expert DistributedOptimizer's state dict of an EP > 1 source (ChainedOptimizer)."""
 
@@ -263,6 +264,54 @@ def split_experts(chunks: list[list[Param]], is_expert: Callable[[str], bool]) -
     """``[dense chunks, expert chunks]``: the parameters of each of the two grad buffer sets
     at EP > 1, each chunk's in named_parameters() order."""
     return [[[p for p in chunk if is_expert(p.name) == flag] for chunk in chunks] for flag in (False, True)]
+
+
+HOOK_SHARDING = "hook"
+HOOK_OBJECT = "megatron.distributed_optimizer"
+"""Where the save hook records a DistributedOptimizer's common state: the objects
+``<HOOK_OBJECT>.states`` and ``.buffer_dtypes`` (``training.megatron.distributed_common``)."""
+
+
+def adopt_hook_state(opened) -> None:
+    """Give a save-hook checkpoint of a Megatron-Core job with the distributed optimizer its
+    :class:`Meta` (the optimizers' ``state_dict()`` and grad-buffer dtypes, from the hook's
+    :data:`HOOK_OBJECT`), so the Megatron writers carry its optimizer state as they carry a
+    Megatron source's. Nothing happens for any other source."""
+    index = opened.index
+    found = [index.objects.get(f"{HOOK_OBJECT}.{name}") for name in ("states", "buffer_dtypes")]
+    if None in found or index.layout(Meta) is not None:
+        return
+    where = opened.store.url
+    states, dtypes = (opened.reader.read_object(opened.store, obj) for obj in found)
+    if not isinstance(states, list) or len(states) not in (1, 2) or not isinstance(dtypes, list):
+        raise UnreadableInput(f"the hook's {HOOK_OBJECT} record is not one ckptool writes",
+                              path=where)
+    checked = [check_state(s, where) for s in states]
+    keys = {}
+    for pair in dtypes:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(d, torch.dtype) for d in pair)):
+            raise UnreadableInput(f"the hook's {HOOK_OBJECT} record names grad buffers {pair!r}",
+                                  path=where)
+        keys[pair[0]] = pair
+    _steps_in_groups(opened, checked)
+    index.set_layout(Meta(keys, checked[0], HOOK_SHARDING,
+                          expert_state=checked[1] if len(checked) == 2 else None))
+
+
+def _steps_in_groups(opened, states: list[dict]) -> None:
+    """The hook stores each parameter's Adam step (``optimizer.state.step.<key>``); Megatron
+    keeps one step per optimizer, in its param groups. Each stored step must be that one;
+    then the param groups carry them and the per-parameter tensors leave the view."""
+    index = opened.index
+    steps = {float(g["step"]) for s in states for g in s["optimizer"]["param_groups"] if "step" in g}
+    keys = [k for k in index.tensors if k.startswith("optimizer.state.step.")]
+    for key in keys:
+        info = index.tensors[key]
+        value = opened.reader.read_piece(opened.store, info.pieces[0], info.dtype)
+        if float(value) not in steps:
+            raise UnreadableInput(f"{key} is {float(value)}, but the optimizer's param groups say "
+                                  f"step {sorted(steps)}", path=opened.store.url)
+        del index.tensors[key]
 
 
 def target_state(meta: Meta, expert_parallel: bool) -> Any:

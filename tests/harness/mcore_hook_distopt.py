@@ -11,7 +11,10 @@ optimizer itself (:func:`tests.harness.mcore_distopt._truth`) and records the lo
 pass before and after a second step (the run that went on).
 
 ``resume`` builds the job at another TP/PP/DP, ``load_latest`` into the hook's description
-of the fresh optimizer, and does the same dumps and second step.
+of the fresh optimizer, and does the same dumps and second step. ``native`` does the same
+with Megatron-Core's own loader instead of the hook: a ``torch_dist`` run root (what
+``ckptool convert --to megatron-dist`` writes from the hook's checkpoint) read as Megatron-LM
+reads one (:func:`tests.harness.mcore_distopt_torch_dist._resume_worker`'s steps).
 """
 
 from __future__ import annotations
@@ -78,6 +81,32 @@ def _resume_worker(rank, jobs, port):
         assert step == 1, step
         TD._dump_and_continue(rank, ps, ddp, opt, c, Path(out))
     dist.destroy_process_group()
+
+
+def _native_worker(rank, jobs, port):
+    from megatron.core import dist_checkpointing
+
+    _init(rank, port)
+    D._keep_step_on_load()
+    for root, c, out in jobs:
+        it = next(Path(root).glob("iter_*"))
+        sharding = dist_checkpointing.load_content_metadata(str(it))["distrib_optim_sharding_type"]
+        ps, ddp, opt = D._setup(c)
+        for inner in getattr(opt, "chained_optimizers", [opt]):
+            inner._init_optimizer_states_with_dummy_values()
+        state = dist_checkpointing.load(TD._sharded(ddp, opt, sharding, is_loading=True), str(it))
+        ddp.module.load_state_dict(state["model"], strict=True)
+        with torch.no_grad():
+            opt.load_state_dict(state["optimizer"])
+        TD._unshare_steps(opt)
+        TD._dump_and_continue(rank, ps, ddp, opt, c, Path(out))
+    dist.destroy_process_group()
+
+
+def native(jobs: list[tuple[Path, dict, Path]]) -> None:
+    """For each ``(torch_dist run root, case, out)``: Megatron-Core's ``dist_checkpointing.load``
+    of the run root into the case's job; the loaded shards and the losses at ``out``."""
+    _spawn(_native_worker, WORLD, [(str(r), c, str(o)) for r, c, o in jobs])
 
 
 def save(root: Path, c: dict = CASE) -> None:
