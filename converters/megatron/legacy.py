@@ -461,6 +461,8 @@ class RankFile:
     optimizer: Any
     scheduler: Any
     distopt_state: Any
+    ep: int = 0
+    """Expert-parallel rank (its directory's ``_EEE``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -492,8 +494,11 @@ class MegatronWriter(UnevenStages, Writer):
         if self._from_deepspeed:
             notes.append(self._from_deepspeed.note)
         if not any(k.endswith(".rng_state") for k in index.objects):
-            notes.append("the source has no RNG state, so none is written: resume with Megatron's "
-                         "--no-load-rng")
+            args = index.objects.get("args")
+            notes.append("the source has no RNG state: each rank gets the one a fresh Megatron-LM "
+                         f"start with --seed {_seed(args.value if args else None)} sets (random, "
+                         "numpy, torch, CUDA and the model/data/expert-parallel trackers), so "
+                         "Megatron-LM loads it without --no-load-rng")
         if not any(k.startswith(canon.PREFIX) for k in index.tensors) and not index.unmapped:
             notes.append("the source holds no optimizer state, so none is written: start Megatron "
                          "with --no-load-optim (or --finetune); ckptool never invents one")
@@ -529,7 +534,7 @@ class MegatronWriter(UnevenStages, Writer):
                                     rank.tp, rank.pp, schema, spec, topo, optim_layout,
                                     self._from_deepspeed.scheduler if self._from_deepspeed else None,
                                     distopt.target_state(distributed, _chained(spec, topo))
-                                    if distributed else None))
+                                    if distributed else None, rank.ep))
             named = rank.named()
             for chunk, name, t in named:
                 chunk_key = "model" if topo.vpp == 1 else f"model{chunk}"
@@ -625,8 +630,8 @@ class MegatronWriter(UnevenStages, Writer):
         args = index.objects.get("args")
         state["args"] = update_args(args.value if args else None, spec, topo, true_vocab_size, index)
         rng = _pick_rng(index, ctx.tp, ctx.pp)
-        if rng is not None:
-            state["rng_state"] = rng
+        state["rng_state"] = rng if rng is not None else fresh_rng_state(
+            _seed(state["args"]), ctx.tp, ctx.pp, ctx.ep, expert_tp_rank(topo, ctx.tp))
         stages = stage_layers(spec, topo.pp, topo.vpp)[ctx.pp]
         for c, chunk_layers in enumerate(stages):
             chunk_key = "model" if topo.vpp == 1 else f"model{c}"
@@ -668,6 +673,42 @@ def _chained(spec: ModelSpec, topo: Topology) -> bool:
 def _key(t) -> str:
     """The global key of a layout tensor (its regions'), or its local name if all padding."""
     return t.shard.regions[0].key if t.shard.regions else t.name
+
+
+DEFAULT_SEED = 1234
+"""Megatron-LM's ``--seed`` default."""
+RNG_TRACKERS = ("data-parallel-rng", "model-parallel-rng", "expert-parallel-rng")
+"""Megatron-Core's CUDA RNG tracker names (``tensor_parallel.random``)."""
+
+
+def _seed(args) -> int:
+    seed = getattr(args, "seed", None)
+    return seed if isinstance(seed, int) and seed > 0 else DEFAULT_SEED
+
+
+def fresh_rng_state(seed: int, tp: int, pp: int, ep: int = 0, etp: int = 0) -> list[dict]:
+    """The ``rng_state`` Megatron-LM saves for rank (tp, pp, ep, etp) right after a fresh start
+    with ``--seed seed`` (``_set_random_seed``: the stage's seed ``seed + 100·pp`` for random,
+    numpy, torch and the default CUDA generator; ``model_parallel_cuda_manual_seed``: the
+    trackers' ``data-parallel-rng`` at that seed, ``model-parallel-rng`` at ``+ 2718 + tp``,
+    ``expert-parallel-rng`` at ``+ 1024 + 100·ep + etp``), one entry as without
+    ``--data-parallel-random-init``. A CUDA generator's state is its seed and its Philox
+    offset (0), two int64s as bytes (``CUDAGeneratorImpl::get_state``)."""
+    import random
+
+    import numpy as np
+
+    stage = seed + 100 * pp
+
+    def cuda(s: int) -> torch.Tensor:
+        return torch.tensor([s, 0], dtype=torch.int64).view(torch.uint8)
+
+    trackers = dict(zip(RNG_TRACKERS, (stage, stage + 2718 + tp, stage + 1024 + 100 * ep + etp)))
+    return [{"random_rng_state": random.Random(stage).getstate(),
+             "np_rng_state": np.random.RandomState(stage).get_state(),
+             "torch_rng_state": torch.Generator().manual_seed(stage).get_state(),
+             "cuda_rng_state": cuda(stage),
+             "rng_tracker_states": {name: cuda(s) for name, s in trackers.items()}}]
 
 
 def _pick_rng(index: CheckpointIndex, tp: int, pp: int):
