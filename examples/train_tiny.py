@@ -39,6 +39,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ckptool.core.layout import ModelSpec, global_params, layout  # noqa: E402
+from examples import tp as tensor_parallel  # noqa: E402
+from examples.tp import CopyToTP, GatherFromTP, ReduceFromTP  # noqa: E402
 from ckptool.core.topology import Topology  # noqa: E402
 from training import AsyncCheckpointer  # noqa: E402
 from training.megatron import sharded_state  # noqa: E402
@@ -91,55 +93,6 @@ class Groups:
 
 
 G: Groups
-
-
-def _tp_sum(x: torch.Tensor) -> torch.Tensor:
-    x = x.contiguous()
-    if G.tp > 1:
-        dist.all_reduce(x, group=G.tp_group)
-    return x
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward; all-reduce of the gradient over TP backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _tp_sum(grad)
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """All-reduce over TP forward; identity backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return _tp_sum(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class _GatherFromTP(torch.autograd.Function):
-    """All-gather of the last dimension forward; this rank's slice of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        if G.tp == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(G.tp)]
-        dist.all_gather(parts, x.contiguous(), group=G.tp_group)
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if G.tp == 1:
-            return grad
-        return grad.chunk(G.tp, dim=-1)[G.tp_rank].contiguous()
 
 
 # ------------------------------------------------------------------------------------ model
@@ -198,12 +151,12 @@ class Stage(torch.nn.Module):
             lo = self.tp_rank * rows
             mask = (tokens < lo) | (tokens >= lo + rows)
             local = F.embedding((tokens - lo).clamp(0, rows - 1), w)
-            x = _ReduceFromTP.apply(local.masked_fill(mask[..., None], 0.0))
+            x = ReduceFromTP.apply(local.masked_fill(mask[..., None], 0.0))
         heads, groups, d = spec.num_attention_heads // tp, spec.groups // tp, spec.head_dim
         per = spec.num_attention_heads // spec.groups
         for i in range(len(self.layers)):
             p = f"decoder.layers.{i}."
-            h = _CopyToTP.apply(rms_norm(x, self.p(p + "self_attention.linear_qkv.layer_norm_weight")))
+            h = CopyToTP.apply(rms_norm(x, self.p(p + "self_attention.linear_qkv.layer_norm_weight")))
             qkv = F.linear(h, self.p(p + "self_attention.linear_qkv.weight"))
             b, s, _ = qkv.shape
             qkv = qkv.view(b, s, groups, per + 2, d)
@@ -214,13 +167,13 @@ class Stage(torch.nn.Module):
             att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                  v.transpose(1, 2), is_causal=True)
             att = att.transpose(1, 2).reshape(b, s, heads * d)
-            x = x + _ReduceFromTP.apply(F.linear(att, self.p(p + "self_attention.linear_proj.weight")))
-            h = _CopyToTP.apply(rms_norm(x, self.p(p + "mlp.linear_fc1.layer_norm_weight")))
+            x = x + ReduceFromTP.apply(F.linear(att, self.p(p + "self_attention.linear_proj.weight")))
+            h = CopyToTP.apply(rms_norm(x, self.p(p + "mlp.linear_fc1.layer_norm_weight")))
             gate, up = F.linear(h, self.p(p + "mlp.linear_fc1.weight")).chunk(2, dim=-1)
-            x = x + _ReduceFromTP.apply(F.linear(F.silu(gate) * up, self.p(p + "mlp.linear_fc2.weight")))
+            x = x + ReduceFromTP.apply(F.linear(F.silu(gate) * up, self.p(p + "mlp.linear_fc2.weight")))
         if self.pp_rank == self.topo.pp - 1:
-            h = _CopyToTP.apply(rms_norm(x, self.p("decoder.final_layernorm.weight")))
-            return _GatherFromTP.apply(F.linear(h, self.p("output_layer.weight")))
+            h = CopyToTP.apply(rms_norm(x, self.p("decoder.final_layernorm.weight")))
+            return GatherFromTP.apply(F.linear(h, self.p("output_layer.weight")))
         return x
 
 
@@ -346,6 +299,7 @@ def main(argv=None) -> int:
         return 2
     global G
     G = Groups(args.tp, args.pp, dp)
+    tensor_parallel.use(G.tp_group, G.tp_rank, G.tp)
     topo = Topology(tp=args.tp, pp=args.pp, dp=dp)
     model = Stage(SPEC, topo, G.tp_rank, G.pp_rank)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)

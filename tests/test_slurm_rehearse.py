@@ -17,15 +17,22 @@ from tests.conftest import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def rehearse(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PY=sys.executable, RESHARD_MODE=mode, PORT=str(free_port()))
+def rehearse(tmp_path: Path, mode: str, trainer: str = "examples/train_tiny.py") -> subprocess.CompletedProcess:
+    env = dict(os.environ, PY=sys.executable, RESHARD_MODE=mode, PORT=str(free_port()), TRAINER=trainer)
     return subprocess.run(["bash", str(ROOT / "examples" / "slurm" / "rehearse.sh"), str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=900)
 
 
-@pytest.mark.parametrize("mode", ["hook", pytest.param("offline", marks=pytest.mark.slow)])
-def test_rehearsal_resumes_from_the_previous_good_checkpoint(tmp_path, mode):
-    proc = rehearse(tmp_path, mode)
+@pytest.mark.parametrize("mode,trainer", [
+    ("hook", "examples/train_tiny.py"),
+    pytest.param("offline", "examples/train_tiny.py", marks=pytest.mark.slow),
+    # a Megatron-DeepSpeed PipelineEngine (TP2 x PP2, ZeRO-1) resumed at TP1 x PP2 by the hook
+    ("hook", "examples/train_megatron_deepspeed.py"),
+], ids=["hook", "offline", "megatron-deepspeed"])
+def test_rehearsal_resumes_from_the_previous_good_checkpoint(tmp_path, mode, trainer):
+    if "deepspeed" in trainer:
+        pytest.importorskip("deepspeed")
+    proc = rehearse(tmp_path, mode, trainer)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rehearsal passed" in proc.stdout
     losses = [json.loads(line) for line in (tmp_path / "loss.jsonl").read_text().splitlines()]

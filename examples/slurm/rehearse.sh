@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # The restart flow of train.sbatch, rehearsed on one machine with CPU torchrun and gloo,
-# using examples/train_tiny.py:
+# using examples/train_tiny.py (or TRAINER=examples/train_megatron_deepspeed.py: a DeepSpeed
+# PipelineEngine with Megatron TP; any trainer taking the same flags):
 #   1. train at 4 ranks (TP2 x PP2), a checkpoint every 2 steps;
 #   2. a node dies: every rank exits hard right after issuing the step-6 save;
 #   3. the newest committed checkpoint gets corrupted (one flipped byte);
 #   4. restart at 2 ranks (TP1 x PP2: "fewer nodes") through prelaunch.sh;
 #   5. it resumes from the previous good checkpoint, and trains on.
-# Usage: rehearse.sh [WORKDIR]   (RESHARD_MODE=hook|offline as in train.sbatch)
+# Usage: [TRAINER=examples/X.py] rehearse.sh [WORKDIR]   (RESHARD_MODE=hook|offline as in train.sbatch)
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 PY=${PY:-$REPO/.venv/bin/python}
 export PYTHON=$PY
 export CKPTOOL=${CKPTOOL:-"$PY -m ckptool"}
+TRAINER=${TRAINER:-examples/train_tiny.py}
 WORK=${1:-$(mktemp -d -t ckptool-rehearse-XXXXXX)}
 RUN=$WORK/run
 mkdir -p "$WORK"
@@ -25,7 +27,7 @@ launch() {  # launch NPROC TP PP: the body of the sbatch file, on this machine
   local load=()
   if [ -n "$LOAD_ROOT" ]; then load=(--load "$LOAD_ROOT"); fi
   "$PY" -m torch.distributed.run --nproc_per_node "$n" --master_addr 127.0.0.1 \
-    --master_port "${PORT:-29533}" "$REPO/examples/train_tiny.py" --save "$RUN" \
+    --master_port "${PORT:-29533}" "$REPO/$TRAINER" --save "$RUN" \
     --tp "$tp" --pp "$pp" "${load[@]}" "$@"
 }
 
