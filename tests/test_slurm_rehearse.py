@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def rehearse(tmp_path: Path, mode: str, trainer: str = "examples/train_tiny.py") -> subprocess.CompletedProcess:
-    env = dict(os.environ, PY=sys.executable, RESHARD_MODE=mode, PORT=str(free_port()), TRAINER=trainer)
+    script, *extra = trainer.split()
+    env = dict(os.environ, PY=sys.executable, RESHARD_MODE=mode, PORT=str(free_port()), TRAINER=script,
+               TRAINER_ARGS=" ".join(extra))
     return subprocess.run(["bash", str(ROOT / "examples" / "slurm" / "rehearse.sh"), str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=900)
 
@@ -28,10 +30,14 @@ def rehearse(tmp_path: Path, mode: str, trainer: str = "examples/train_tiny.py")
     pytest.param("offline", "examples/train_tiny.py", marks=pytest.mark.slow),
     # a Megatron-DeepSpeed PipelineEngine (TP2 x PP2, ZeRO-1) resumed at TP1 x PP2 by the hook
     ("hook", "examples/train_megatron_deepspeed.py"),
-], ids=["hook", "offline", "megatron-deepspeed"])
+    # Megatron-Core with its distributed optimizer (fp32: the redone steps are exact)
+    ("hook", "examples/train_megatron_core.py --fp32"),
+], ids=["hook", "offline", "megatron-deepspeed", "megatron-core"])
 def test_rehearsal_resumes_from_the_previous_good_checkpoint(tmp_path, mode, trainer):
     if "deepspeed" in trainer:
         pytest.importorskip("deepspeed")
+    if "megatron_core" in trainer:
+        pytest.importorskip("megatron.core")
     proc = rehearse(tmp_path, mode, trainer)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rehearsal passed" in proc.stdout

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The restart flow of train.sbatch, rehearsed on one machine with CPU torchrun and gloo,
 # using examples/train_tiny.py (or TRAINER=examples/train_megatron_deepspeed.py: a DeepSpeed
-# PipelineEngine with Megatron TP; any trainer taking the same flags):
+# PipelineEngine with Megatron TP; TRAINER=examples/train_megatron_core.py: Megatron-Core with
+# its distributed optimizer; any trainer taking the same flags, plus TRAINER_ARGS):
 #   1. train at 4 ranks (TP2 x PP2), a checkpoint every 2 steps;
 #   2. a node dies: every rank exits hard right after issuing the step-6 save;
 #   3. the newest committed checkpoint gets corrupted (one flipped byte);
@@ -27,7 +28,7 @@ launch() {  # launch NPROC TP PP: the body of the sbatch file, on this machine
   local load=()
   if [ -n "$LOAD_ROOT" ]; then load=(--load "$LOAD_ROOT"); fi
   "$PY" -m torch.distributed.run --nproc_per_node "$n" --master_addr 127.0.0.1 \
-    --master_port "${PORT:-29533}" "$REPO/$TRAINER" --save "$RUN" \
+    --master_port "${PORT:-29533}" "$REPO/$TRAINER" ${TRAINER_ARGS:-} --save "$RUN" \
     --tp "$tp" --pp "$pp" "${load[@]}" "$@"
 }
 
