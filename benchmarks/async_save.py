@@ -3,12 +3,17 @@ dcp.async_save, on the same >= 1 GB state in the same run; and the background wr
 throughput against `dd conv=fdatasync` on the same disk.
 
     python benchmarks/async_save.py [--size-gb 1.0] [--dir DIR] [--device cuda] [--writer process]
+    python benchmarks/async_save.py --many-tensors 20000   # an optimizer-shaped state
 
 "Blocking" is the time until the call returns (training could continue). For the async
 ones the time until the checkpoint is durable is measured too (wait()/future.result()).
 Targets: AsyncCheckpointer blocking <= dcp.async_save's and <= 1/10 of dcp.save's;
 background throughput >= 80% of dd's. With ``--device cuda`` the state lives on the GPU and
 the floor for blocking is one device-to-host copy into page-locked memory, measured too.
+
+``--many-tensors N``: N small tensors (4 KiB each, what the norms, biases and their Adam
+moments of a real model look like) plus four large ones holding ``--size-gb``. Targets:
+AsyncCheckpointer blocking <= 0.5x dcp.async_save's and <= 2x one bare copy of the same bytes.
 """
 
 from __future__ import annotations
@@ -30,13 +35,15 @@ warnings.filterwarnings("ignore")
 from training import AsyncCheckpointer  # noqa: E402
 
 
-def make_state(size_gb: float, device: str = "cpu") -> dict:
-    n = 16
+def make_state(size_gb: float, device: str = "cpu", many: int = 0) -> dict:
+    n = 4 if many else 16
     rows = int(size_gb * (1 << 30) / 4 / n / 4096)
     g = torch.Generator(device=device).manual_seed(0)
-    return {"model": {f"layers.{i}.weight": torch.randn(rows, 4096, generator=g, device=device)
-                      for i in range(n)},
-            "step": 100}
+    model = {f"layers.{i}.weight": torch.randn(rows, 4096, generator=g, device=device)
+             for i in range(n)}
+    for i in range(many):  # 4 KiB each: norms, biases, their moments
+        model[f"small.{i}.weight"] = torch.randn(1024, generator=g, device=device)
+    return {"model": model, "step": 100}
 
 
 def copy_floor(state: dict) -> float:
@@ -63,10 +70,12 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--device", default="cpu", help="where the state lives: cpu or cuda")
     ap.add_argument("--writer", default="thread", choices=["thread", "process"])
+    ap.add_argument("--many-tensors", type=int, default=0, metavar="N",
+                    help="add N small tensors (4 KiB each) to four large ones")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="ckptool-async-bench-", dir=args.dir))
     try:
-        state = make_state(args.size_gb, args.device)
+        state = make_state(args.size_gb, args.device, args.many_tensors)
         nbytes = sum(t.numel() * 4 for t in state["model"].values())
         gb = nbytes / 1e9
         rows = []
@@ -111,13 +120,14 @@ def main() -> None:
         for name, b, d in rows:
             print(f"{name:<26}{b:>11.3f}{(d if d is not None else b):>11.3f}")
         ours = rows[-1]
+        target = 0.5 if args.many_tensors else 1
         print(f"AsyncCheckpointer blocking / dcp.async_save blocking = {ours[1] / rows[2][1]:.2f} "
-              f"(target <= 1)")
+              f"(target <= {target})")
         print(f"AsyncCheckpointer blocking / dcp.save = {ours[1] / rows[1][1]:.3f} (target <= 0.1)")
         print(f"AsyncCheckpointer first save (allocates its buffers) blocked {first:.3f} s; "
               f"later saves {ours[1]:.3f} s = {ours[1] / floor:.2f}x one bare copy into "
               f"{'page-locked ' if args.device != 'cpu' else ''}host memory ({floor:.3f} s, "
-              f"{gb / floor:.1f} GB/s)")
+              f"{gb / floor:.1f} GB/s)" + (" (target <= 2x)" if args.many_tensors else ""))
         print(f"background write {gb / ours[2]:.2f} GB/s vs dd conv=fdatasync {gb / dd:.2f} GB/s: "
               f"{dd / ours[2]:.0%} (target >= 80%; includes hashing, fsync and the commit)")
     finally:

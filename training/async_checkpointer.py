@@ -33,7 +33,8 @@ from ckptool.core.errors import BadCheckpoint, NoCheckpoint
 from ckptool.core.manifest import MANIFEST, FileEntry, Manifest, write_manifest
 from ckptool.core.safe_pickle import trusted
 from ckptool.core.storage import Store, is_temporary
-from training.state import boxes, describe, dotted, set_leaf
+from ckptool.core.regions import Region, Shard
+from training.state import Sharded, boxes, describe, dotted, dtensor_entry, flatten, is_dtensor, set_leaf
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class AsyncCheckpointer:
             else None
         # Coordination runs on its own gloo group so the training group (NCCL) never blocks.
         self._side = dist.new_group(ranks=ranks, backend="gloo") if self._distributed else None
-        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._buffers: dict[tuple, tuple] = {}  # (key, shape, dtype) -> (buffer, shard, chunks)
         self._registered: list[torch.Tensor] = []  # shared buffers page-locked by us
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -152,22 +153,37 @@ class AsyncCheckpointer:
     # ------------------------------------------------------------------ staging
 
     def _stage(self, state: dict) -> tuple[list[_Chunk], dict[str, Any]]:
-        entries, leaves = describe(state, self._rank)
+        """Copy this rank's primary tensors into the staging buffers; the chunks to write and
+        the pickled objects. A leaf's plan (its buffer and the chunk views into it) is kept
+        from save to save while its key, shape, dtype and shard stay the same, so a save of
+        many small tensors costs one copy each, not a re-planning."""
         chunks, objects = [], {}
-        for e in (e for e in entries if e.writes):
-            local = e.local.detach()
-            slot = (dotted(e.path), tuple(local.shape), local.dtype)
-            buf = self._buffers.get(slot)
-            if buf is None:
-                buf = self._buffers[slot] = self._host_buffer(local)
-            buf.copy_(local, non_blocking=local.is_cuda)
-            for key, shape, offsets, lengths, view in boxes(e.shard, buf):
-                chunks.append(_Chunk(key, shape, offsets, lengths, view))
-        if self._rank == 0:  # non-tensors are replicated: rank 0 keeps them (as DCP does)
-            for key, (_, value) in leaves.items():
-                data = io.BytesIO()
-                torch.save(value, data)
-                objects[key] = data.getvalue()
+        for path, value in flatten(state):
+            if isinstance(value, Sharded):
+                local, shard, writes = value.local, value.shard, not value.replica
+            elif is_dtensor(value):
+                entry = dtensor_entry(path, value)
+                local, shard, writes = entry.local, entry.shard, entry.writes
+            elif isinstance(value, torch.Tensor):  # replicated: rank 0 writes it
+                local, shard, writes = value, None, self._rank == 0
+            else:
+                if self._rank == 0:  # non-tensors are replicated: rank 0 keeps them (as DCP does)
+                    data = io.BytesIO()
+                    torch.save(value, data)
+                    objects[dotted(path)] = data.getvalue()
+                continue
+            if not writes:
+                continue
+            local = local.detach()
+            key = dotted(path)
+            slot = (key, tuple(local.shape), local.dtype)
+            plan = self._buffers.get(slot)
+            if plan is None or plan[1] != shard:
+                buf = plan[0] if plan is not None else self._host_buffer(local)
+                layout = shard if shard is not None else Shard.of(Region.whole(key, local.shape))
+                plan = self._buffers[slot] = (buf, shard, [_Chunk(*box) for box in boxes(layout, buf)])
+            plan[0].copy_(local, non_blocking=local.is_cuda)
+            chunks += plan[2]
         if any(c.host.is_pinned() for c in chunks):
             torch.cuda.synchronize()
         return chunks, objects

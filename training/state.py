@@ -72,8 +72,8 @@ def describe(state: dict, rank: int) -> tuple[list[Entry], dict[str, tuple[tuple
     for path, value in flatten(state):
         if isinstance(value, Sharded):
             entries.append(Entry(path, value.local, value.shard, not value.replica))
-        elif _is_dtensor(value):
-            entries.append(_dtensor_entry(path, value))
+        elif is_dtensor(value):
+            entries.append(dtensor_entry(path, value))
         elif isinstance(value, torch.Tensor):
             key = dotted(path)
             entries.append(Entry(path, value, Shard.of(Region.whole(key, value.shape)), rank == 0))
@@ -99,17 +99,22 @@ def set_leaf(state: dict, path: tuple[str, ...], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _is_dtensor(value) -> bool:
-    try:
-        from torch.distributed.tensor import (
-            DTensor,  # lazy: its module moved between torch versions
-        )
-    except ImportError:  # older torch
-        from torch.distributed._tensor import DTensor
-    return isinstance(value, DTensor)
+_DTENSOR: list = []
 
 
-def _dtensor_entry(path: tuple[str, ...], value) -> Entry:
+def is_dtensor(value) -> bool:
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import (
+                DTensor,  # lazy: its module moved between torch versions
+            )
+        except ImportError:  # older torch
+            from torch.distributed._tensor import DTensor
+        _DTENSOR.append(DTensor)
+    return isinstance(value, _DTENSOR[0])
+
+
+def dtensor_entry(path: tuple[str, ...], value) -> Entry:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local = value.to_local()
