@@ -100,11 +100,13 @@ def main() -> None:
         first = time.perf_counter() - t
         ckpt.wait()
         floor = copy_floor(state)
-        t = time.perf_counter()
-        ckpt.save(2, state)
-        blocked = time.perf_counter() - t
-        ckpt.wait()
-        total = time.perf_counter() - t
+        blocked = total = float("inf")
+        for step in (2, 3, 4):  # best of 3, as the copy floor
+            t = time.perf_counter()
+            ckpt.save(step, state)
+            blocked = min(blocked, time.perf_counter() - t)
+            ckpt.wait()
+            total = min(total, time.perf_counter() - t)
         rows.append(("AsyncCheckpointer.save", blocked, total))
         ckpt.close()
 

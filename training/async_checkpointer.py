@@ -91,7 +91,7 @@ class AsyncCheckpointer:
             else None
         # Coordination runs on its own gloo group so the training group (NCCL) never blocks.
         self._side = dist.new_group(ranks=ranks, backend="gloo") if self._distributed else None
-        self._buffers: dict[tuple, tuple] = {}  # (key, shape, dtype) -> (buffer, shard, chunks)
+        self._buffers: dict[tuple, tuple] = {}  # (key, shape, dtype) -> (buffer, shard, chunks, pinned)
         self._registered: list[torch.Tensor] = []  # shared buffers page-locked by us
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -157,7 +157,11 @@ class AsyncCheckpointer:
         the pickled objects. A leaf's plan (its buffer and the chunk views into it) is kept
         from save to save while its key, shape, dtype and shard stay the same, so a save of
         many small tensors costs one copy each, not a re-planning."""
-        chunks, objects = [], {}
+        with torch.no_grad():  # staging copies are not part of any graph
+            return self._stage_leaves(state)
+
+    def _stage_leaves(self, state: dict) -> tuple[list[_Chunk], dict[str, Any]]:
+        chunks, objects, pinned = [], {}, False
         for path, value in flatten(state):
             if isinstance(value, Sharded):
                 local, shard, writes = value.local, value.shard, not value.replica
@@ -174,17 +178,18 @@ class AsyncCheckpointer:
                 continue
             if not writes:
                 continue
-            local = local.detach()
             key = dotted(path)
             slot = (key, tuple(local.shape), local.dtype)
             plan = self._buffers.get(slot)
             if plan is None or plan[1] != shard:
-                buf = plan[0] if plan is not None else self._host_buffer(local)
+                buf = plan[0] if plan is not None else self._host_buffer(local.detach())
                 layout = shard if shard is not None else Shard.of(Region.whole(key, local.shape))
-                plan = self._buffers[slot] = (buf, shard, [_Chunk(*box) for box in boxes(layout, buf)])
+                plan = self._buffers[slot] = (buf, shard, [_Chunk(*box) for box in boxes(layout, buf)],
+                                              buf.is_pinned())
             plan[0].copy_(local, non_blocking=local.is_cuda)
             chunks += plan[2]
-        if any(c.host.is_pinned() for c in chunks):
+            pinned = pinned or plan[3]
+        if pinned:
             torch.cuda.synchronize()
         return chunks, objects
 

@@ -528,6 +528,49 @@ class _ZipWriter:
             self._emit(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, cd_size, cd_start, 0))
 
 
+class _Coalesced:
+    """A ``write`` that joins the archive's small pieces (headers, small records) into one
+    call; a large piece (tensor bytes) flushes them and goes through as it is."""
+
+    __slots__ = ("_write", "_parts", "_size")
+    LIMIT = 1 << 16
+
+    def __init__(self, write):
+        self._write, self._parts, self._size = write, [], 0
+
+    def __call__(self, data) -> None:
+        n = memoryview(data).nbytes
+        if n >= self.LIMIT:
+            self.flush()
+            self._write(data)
+            return
+        self._parts.append(bytes(data))
+        self._size += n
+        if self._size >= self.LIMIT:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._parts:
+            self._write(b"".join(self._parts))
+            self._parts, self._size = [], 0
+
+
+_TENSOR_PICKLES: dict[tuple, bytes] = {}
+"""(dtype, shape) -> the pickle of one plain tensor of storage 0: it depends on nothing else."""
+
+
+def _tensor_pickle(tensor: torch.Tensor) -> bytes:
+    key = (tensor.dtype, tuple(tensor.shape))
+    data = _TENSOR_PICKLES.get(key)
+    if data is None:
+        buf = io.BytesIO()
+        _Pickler(buf, []).dump(tensor)
+        data = buf.getvalue()
+        if len(_TENSOR_PICKLES) < 65536:
+            _TENSOR_PICKLES[key] = data
+    return data
+
+
 def save(obj: Any, stream: BinaryIO, produce: Callable[[Pending], torch.Tensor] | None = None,
          *, force_zip64: bool = False) -> None:
     """Write ``obj`` as a torch.save archive to ``stream``, producing Pending tensors on demand.
@@ -535,11 +578,16 @@ def save(obj: Any, stream: BinaryIO, produce: Callable[[Pending], torch.Tensor] 
     ``torch.load`` reads the result. Memory: the pickle plus one tensor at a time; tensor
     bytes go to ``stream.write`` straight from the tensor's memory.
     """
-    slots: list[_Slot] = []
-    buf = io.BytesIO()
-    _Pickler(buf, slots).dump(obj)
-    zf = _ZipWriter(stream.write, force_zip64=force_zip64)
-    zf.record("data.pkl", buf.getvalue())
+    if type(obj) is torch.Tensor:  # one plain tensor (each DCP chunk): its pickle is known
+        slots, data = [_Slot(0, obj.dtype, obj.numel(), obj)], _tensor_pickle(obj)
+    else:
+        slots = []
+        buf = io.BytesIO()
+        _Pickler(buf, slots).dump(obj)
+        data = buf.getvalue()
+    out = _Coalesced(stream.write)
+    zf = _ZipWriter(out, force_zip64=force_zip64)
+    zf.record("data.pkl", data)
     zf.record(".format_version", b"1")
     zf.record(".storage_alignment", b"64")
     zf.record("byteorder", sys.byteorder.encode())
@@ -551,6 +599,7 @@ def save(obj: Any, stream: BinaryIO, produce: Callable[[Pending], torch.Tensor] 
                 raise ValueError(f"produced spans for {getattr(src, 'key', '?')!r} are "
                                  f"{tensor.dtype} x{tensor.numel}, expected {slot.dtype} x{slot.numel}")
             zf.start(f"data/{slot.index}", tensor.numel * tensor.dtype.itemsize)
+            out.flush()
             tensor.write_to(stream)
             continue
         tensor = tensor.detach().to("cpu").contiguous()
@@ -562,3 +611,4 @@ def save(obj: Any, stream: BinaryIO, produce: Callable[[Pending], torch.Tensor] 
     zf.record("version", b"3\n")
     zf.record(".data/serialization_id", zf.structure_id())
     zf.finish()
+    out.flush()
