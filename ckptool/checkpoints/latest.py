@@ -7,29 +7,13 @@ restart script can log why it went back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import converters
-from ckptool.checkpoints.open import Candidate, candidates
+from ckptool.checkpoints.open import Candidate, candidates, is_checkpoint
+from ckptool.checkpoints.reports import LatestResult, Skipped
 from ckptool.checkpoints.verify import verify
 from ckptool.core.errors import CkptoolError, NoCheckpoint
 from ckptool.core.manifest import read_manifest
 from ckptool.core.storage import Store
-
-
-@dataclass(frozen=True, slots=True)
-class Skipped:
-    path: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class LatestResult:
-    path: str
-    format: str
-    iteration: int | None
-    verified: bool
-    skipped: list[Skipped] = field(default_factory=list)
 
 
 def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
@@ -37,7 +21,7 @@ def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
     store = Store.open(root)
     if not store.exists():
         raise NoCheckpoint("run root does not exist", path=store.url)
-    if converters.detect(store) is not None:
+    if is_checkpoint(store):
         found = [Candidate(store, False, (0, store.name))]  # ROOT is itself a checkpoint
     else:
         found = candidates(store)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import converters
 from ckptool.core.errors import CkptoolError, UnknownFormat
 from ckptool.core.index import CheckpointIndex, Reader
-from ckptool.core.manifest import Manifest, read_manifest
+from ckptool.core.manifest import MANIFEST, Manifest, read_manifest
 from ckptool.core.safe_pickle import trusted
 from ckptool.core.storage import Store, is_temporary
 from ckptool.core.topology import Topology
@@ -60,6 +60,17 @@ def candidates(root: Store) -> list[Candidate]:
     return sorted(found, key=lambda c: c.order, reverse=True)
 
 
+def is_checkpoint(store: Store) -> bool:
+    """Whether ``store`` is itself a checkpoint (not a run root of them). A run root whose
+    checkpoints are committed (a manifest in each, the hook's ``step_*``) is one without
+    asking every format's reader, so ``latest`` and ``verify`` of it import no torch."""
+    if not store.exists(MANIFEST) and any(
+            is_dir and not is_temporary(name) and store.child(name).exists(MANIFEST)
+            for name, is_dir in store.ls()):
+        return False
+    return converters.detect(store) is not None
+
+
 def _manifest_iteration(store: Store) -> int | None:
     try:
         manifest = read_manifest(store)
@@ -73,7 +84,7 @@ def resolve(url: str) -> Store:
     store = Store.open(url)
     if not store.exists():
         raise UnknownFormat("no such file or directory", path=store.url)
-    if converters.detect(store) is not None:
+    if is_checkpoint(store):
         return store
     found = [c for c in candidates(store) if not c.temporary]
     if not found:

@@ -23,12 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 import converters
 from ckptool.checkpoints.open import merge_manifest, read_index, resolve
+from ckptool.checkpoints.reports import Problem, VerifyReport
 from ckptool.core.errors import BadCheckpoint, CkptoolError, UnsafePickle, UsageError
 from ckptool.core.index import CheckpointIndex, Reader
+from ckptool.core.lazy import lazy
 from ckptool.core.manifest import (
     MANIFEST,
     Manifest,
@@ -41,43 +41,9 @@ from ckptool.core.regions import coverage_problems, plan_copies
 from ckptool.core.safe_pickle import trusted
 from ckptool.core.storage import Store, is_temporary
 
+torch = lazy("torch", globals())
+
 Progress = Callable[[int], object]
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    kind: str
-    """missing, size, checksum, uncommitted, metadata, coverage, unreadable, nonfinite, extra,
-    pickle (a global outside the allowlist), unsafe-path (a symlink out, a FIFO...)."""
-    message: str
-    file: str | None = None
-    key: str | None = None
-
-    def one_line(self) -> str:
-        where = ", ".join(x for x in (self.file, f"tensor {self.key!r}" if self.key else None) if x)
-        return f"{self.message} ({where})" if where else self.message
-
-
-@dataclass(frozen=True, slots=True)
-class VerifyReport:
-    path: str
-    format: str
-    ok: bool
-    committed: bool | None
-    """True: manifest present; False: ckptool-written without one; None: foreign, unsealed."""
-    sealed: bool
-    """A manifest was written by this run (``--seal``)."""
-    deep: bool
-    files_checked: int
-    bytes_hashed: int
-    tensors: int
-    pieces_read: int
-    problems: list[Problem] = field(default_factory=list)
-    warnings: list[Problem] = field(default_factory=list)
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.ok else 1
 
 
 @dataclass

@@ -14,9 +14,7 @@ format subclasses :class:`DcpContainerReader`.
 from __future__ import annotations
 
 import io
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckptool.core.errors import BadCheckpoint, CkptoolError, UnreadableInput
 from ckptool.core.index import (
@@ -27,11 +25,17 @@ from ckptool.core.index import (
     Reader,
     TensorInfo,
 )
+from ckptool.core.lazy import lazy
 from ckptool.core.regions import Region, byte_runs
-from ckptool.core.safe_pickle import load_dcp_metadata, trusted
-from ckptool.core.stfile import parse_header
+from ckptool.core.safe_pickle import is_dtype, load_dcp_metadata, trusted
 from ckptool.core.storage import Store
-from ckptool.core.torchfile import TensorRef, TorchFile
+
+if TYPE_CHECKING:
+    from ckptool.core.torchfile import TorchFile
+
+torch = lazy("torch", globals())
+torchfile = lazy("ckptool.core.torchfile", globals())
+stfile = lazy("ckptool.core.stfile", globals())
 
 METADATA = ".metadata"
 SAVE_ID_MARK = "ckptool-"
@@ -68,7 +72,7 @@ class DcpContainerReader(Reader):
                 index.objects[key] = ObjectInfo(key, _location(info) if info else None)
                 continue
             dtype = getattr(entry.properties, "dtype", None)
-            if not isinstance(dtype, torch.dtype):
+            if not is_dtype(dtype):
                 raise BadCheckpoint("tensor has no dtype", path=store.display(METADATA), key=key)
             shape = _sizes(entry.size, store, key)
             tensor = TensorInfo(key, shape, dtype)
@@ -116,7 +120,8 @@ class DcpContainerReader(Reader):
             if reader(loc.offset, loc.offset + 4) != _ZIP_MAGIC:
                 cache[key] = None
             else:
-                cache[key] = TorchFile(_Window(reader, loc.offset), loc.length, store.display(loc.file))
+                cache[key] = torchfile.TorchFile(_Window(reader, loc.offset), loc.length,
+                                                 store.display(loc.file))
                 self.note_unsafe(store.display(loc.file), cache[key].unsafe, piece.region.key)
         return cache[key]
 
@@ -126,8 +131,8 @@ class DcpContainerReader(Reader):
             return None, None
         ref = archive.obj
         shape = tuple(piece.region.local_shape)
-        if not isinstance(ref, TensorRef) or ref.shape != shape or ref.dtype != dtype:
-            got = f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, TensorRef) else type(ref).__name__
+        if not isinstance(ref, torchfile.TensorRef) or ref.shape != shape or ref.dtype != dtype:
+            got = f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, torchfile.TensorRef) else type(ref).__name__
             raise BadCheckpoint(f"stored chunk is {got}, metadata says {dtype} {list(shape)}",
                                 path=store.display(piece.location.file), key=piece.region.key)
         return archive, ref
@@ -149,8 +154,8 @@ class DcpContainerReader(Reader):
         raw = read_location(store, loc)
         shape = piece.region.local_shape
         if raw[:4] == _ZIP_MAGIC:
-            archive = TorchFile(_bytes_reader(raw), len(raw), store.display(loc.file))
-            if not isinstance(archive.obj, TensorRef):
+            archive = torchfile.TorchFile(_bytes_reader(raw), len(raw), store.display(loc.file))
+            if not isinstance(archive.obj, torchfile.TensorRef):
                 raise BadCheckpoint("stored chunk is not a tensor", path=store.display(loc.file),
                                     key=piece.region.key)
             tensor = archive.load(archive.obj)
@@ -180,7 +185,7 @@ class DcpContainerReader(Reader):
             if raw[:1] == b"\x80" and not trusted():  # a bare pickle stream (torch's legacy format)
                 self.note_unsafe(source, [("", "a bare pickle stream (not a torch.save archive)")], obj.key)
             return io.BytesIO(raw)
-        archive = TorchFile(_bytes_reader(raw), len(raw), source)
+        archive = torchfile.TorchFile(_bytes_reader(raw), len(raw), source)
         self.note_unsafe(source, archive.unsafe, obj.key)
         return archive.materialize(archive.obj)
 
@@ -306,7 +311,7 @@ def _read_safetensors_chunk(store: Store, file: str, key: str) -> torch.Tensor:
     source = store.display(file)
     reader = store.range_reader(file)
     try:
-        entries, _ = parse_header(reader, source)
+        entries, _ = stfile.parse_header(reader, source)
         if key not in entries:
             raise BadCheckpoint("tensor is missing from its safetensors file", path=source, key=key)
         e = entries[key]

@@ -18,13 +18,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import xxhash
 
-from ckptool.core import torchfile
 from ckptool.core.dcpfile import METADATA, SAVE_ID_MARK
+from ckptool.core.lazy import lazy
 from ckptool.core.manifest import HashingWriter
 from ckptool.core.storage import Store
+
+torch = lazy("torch", globals())
+torchfile = lazy("ckptool.core.torchfile", globals())
 
 
 @dataclass

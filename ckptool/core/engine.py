@@ -12,12 +12,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
 from ckptool.core.errors import BadCheckpoint
 from ckptool.core.index import CheckpointIndex, Piece
+from ckptool.core.lazy import lazy
 from ckptool.core.regions import Shard, byte_runs, plan_copies
 from ckptool.core.storage import pread_blocks
+
+torch = lazy("torch", globals())
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +47,7 @@ class TargetFile:
         return sum(math.prod(t.shard.shape) * t.dtype.itemsize for t in self.tensors)
 
 
-ReadBox = Callable[[Piece, torch.dtype, tuple, torch.Tensor], None]
+ReadBox = Callable[[Piece, "torch.dtype", tuple, "torch.Tensor"], None]
 """Write global ``box`` (inside the piece's region) of a stored piece into a view."""
 
 
@@ -149,7 +150,7 @@ def _copies(region, index: CheckpointIndex):
     return info, plan
 
 
-FileSpan = Callable[[Piece, torch.dtype, tuple], "tuple[int, int] | None"]
+FileSpan = Callable[[Piece, "torch.dtype", tuple], "tuple[int, int] | None"]
 """``(fd, byte offset)`` of a stored box when its bytes are one run of a local file in the
 target's dtype (``Reader.file_span``); None otherwise."""
 

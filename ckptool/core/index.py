@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
+from ckptool.core.lazy import lazy
 from ckptool.core.regions import BoxIndex, Region
 from ckptool.core.safe_pickle import UnsafeFinding
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
-from ckptool.core.torchfile import TorchFile
+
+if TYPE_CHECKING:
+    from ckptool.core.torchfile import TorchFile
+
+torch = lazy("torch", globals())
+torchfile = lazy("ckptool.core.torchfile", globals())
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +196,7 @@ class Reader:
             read = store.range_reader(rel)
         except UnreadableInput:
             raise BadCheckpoint("file is missing", path=store.display(rel)) from None
-        archive = TorchFile(read, read.size, store.display(rel))
+        archive = torchfile.TorchFile(read, read.size, store.display(rel))
         self.note_unsafe(store.display(rel), archive.unsafe)
         return archive
 

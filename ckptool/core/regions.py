@@ -24,9 +24,10 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
-import torch
+if TYPE_CHECKING:  # the region arithmetic needs no torch: `ckptool verify` runs without it
+    import torch
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """(offsets, lengths) in global coordinates."""

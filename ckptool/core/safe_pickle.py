@@ -29,11 +29,10 @@ import copyreg
 import io
 import pickle
 import posixpath
+import sys
 import types
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterator
-
-import torch
 
 from ckptool.core.errors import BadCheckpoint, UnsafePickle
 
@@ -183,7 +182,7 @@ class _TensorProperties(Record):
     @property
     def dtype(self):
         state = self._state
-        return state[0] if isinstance(state, tuple) and state and isinstance(state[0], torch.dtype) \
+        return state[0] if isinstance(state, tuple) and state and is_dtype(state[0]) \
             else self.fields().get("dtype")
 
 
@@ -191,6 +190,81 @@ _RECORD_BASES = {("torch.distributed.checkpoint.metadata", "TensorProperties"): 
 
 
 # ------------------------------------------------------------------------ the allowlist
+
+
+# torch's own names. Without torch imported (the light paths: `ckptool latest`, `verify`),
+# they stand as TorchName records: a DCP .metadata is then read, checked and never written.
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+class TorchName:
+    """``torch.<name>`` (a dtype, layout or memory format) read while torch is not imported."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TorchName) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(("torch", self.name))
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of a dtype name (as ``torch.dtype.itemsize``)."""
+        name = self.name
+        if name in _ITEMSIZE:
+            return _ITEMSIZE[name]
+        digits = "".join(c for c in name.split("_")[0] if c.isdigit())
+        if not digits:
+            raise ValueError(f"torch.{name} is not a dtype")
+        return int(digits) // 8
+
+
+_ITEMSIZE = {"float": 4, "double": 8, "half": 2, "short": 2, "int": 4, "long": 8, "bool": 1,
+             "cfloat": 8, "cdouble": 16, "complex32": 4, "complex64": 8, "complex128": 16,
+             "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1}
+
+
+_TORCH_CONSTANTS = frozenset({
+    "float32", "float", "float64", "double", "float16", "half", "bfloat16", "complex32", "complex64",
+    "complex128", "cfloat", "cdouble", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "short",
+    "int32", "int", "int64", "long", "bool", "qint8", "quint8", "qint32", "quint4x2",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn",
+    "contiguous_format", "preserve_format", "channels_last", "channels_last_3d"})
+
+
+def _torch_constant(name: str):
+    torch = _torch()
+    if torch is not None:
+        value = getattr(torch, name, None)
+        return value if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)) else None
+    return TorchName(name) if name in _TORCH_CONSTANTS else None
+
+
+def is_dtype(value) -> bool:
+    """A dtype as the unpickler gives it: ``torch.dtype``, or :class:`TorchName` without torch."""
+    torch = _torch()
+    return isinstance(value, TorchName) if torch is None else isinstance(value, torch.dtype)
+
+
+def _torch_size(*args):
+    torch = _torch()
+    return torch.Size(*args) if torch is not None else tuple(*args)
+
+
+def _torch_device(*args):
+    torch = _torch()
+    return torch.device(*args) if torch is not None else ":".join(map(str, args))
 
 
 def _path(*parts) -> str:
@@ -222,8 +296,8 @@ def _plain() -> dict[tuple[str, str], Any]:
         ("builtins", "slice"): slice,
         ("builtins", "complex"): complex,
         ("_codecs", "encode"): _codecs_encode,
-        ("torch", "Size"): torch.Size,
-        ("torch", "device"): torch.device,
+        ("torch", "Size"): _torch_size,
+        ("torch", "device"): _torch_device,
         ("torch.serialization", "_get_layout"): str,
         **{("pathlib", name): _path for name in
            ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")},
@@ -298,9 +372,10 @@ class Unpickler(pickle.Unpickler):
             return found
         if (module, name) in _RECORDS:
             return record_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                          torch.memory_format)):
-            return getattr(torch, name)
+        if module == "torch":
+            constant = _torch_constant(name)
+            if constant is not None:
+                return constant
         if (module, name) == ("copyreg", "__newobj__"):
             return _newobj
         if (module, name) == ("copyreg", "_reconstructor"):

@@ -28,10 +28,10 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
 
-import torch
 import xxhash
 
 from ckptool.core.errors import BadCheckpoint
+from ckptool.core.lazy import lazy
 from ckptool.core.safe_pickle import (
     Record,
     Unpickler,
@@ -40,13 +40,25 @@ from ckptool.core.safe_pickle import (
     unsafe_in,
 )
 
+torch = lazy("torch", globals())
+
 _STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool",
 }
-_STORAGE_NAMES = {v: k for k, v in _STORAGE_DTYPES.items()}
+"""torch's legacy storage types by the dtype they hold (names: torch is imported on first use)."""
+
+
+def _storage_names() -> dict:
+    names = _STORAGE_NAMES_CACHE
+    if not names:
+        names.update({getattr(torch, v): k for k, v in _STORAGE_DTYPES.items()})
+    return names
+
+
+_STORAGE_NAMES_CACHE: dict = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +149,7 @@ class _Unpickler(Unpickler):
         if (module, name) in _TENSOR_TYPES:
             return record_class(module, name)  # only as _rebuild_from_type_v2's new_type
         if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
+            return getattr(torch, _STORAGE_DTYPES[name])
         return super().find_class(module, name)
 
     def _rebuild_tensor(self, storage, offset, size, stride, *rest):
@@ -409,7 +421,7 @@ class _Pickler(pickle._Pickler):  # the pure-Python pickler: it lets us write GL
 
     def persistent_id(self, obj):
         if isinstance(obj, _Slot):
-            return ("storage", _Global("torch", _STORAGE_NAMES[obj.dtype]), str(obj.index), "cpu",
+            return ("storage", _Global("torch", _storage_names()[obj.dtype]), str(obj.index), "cpu",
                     obj.numel)
         return None
 

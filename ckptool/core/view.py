@@ -15,8 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from ckptool.core.errors import BadCheckpoint
 from ckptool.core.index import (
     CheckpointIndex,
@@ -25,8 +23,11 @@ from ckptool.core.index import (
     TensorInfo,
     WrappingReader,
 )
+from ckptool.core.lazy import lazy
 from ckptool.core.regions import Region, Shard
 from ckptool.core.storage import Store
+
+torch = lazy("torch", globals())
 
 
 @dataclass(frozen=True, slots=True)
