@@ -13,6 +13,7 @@ lists it). Targets: ``latest`` and ``verify`` <= 0.5 s each.
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -50,7 +51,7 @@ def timed(argv: list[str], repeats: int = 5) -> float:
 def imports_torch(argv: list[str]) -> bool:
     """Whether the command imports torch (``-X importtime`` prints every module imported)."""
     proc = subprocess.run([sys.executable, "-X", "importtime", *argv[1:]], capture_output=True, text=True)
-    return any(line.rstrip().endswith("| torch") for line in proc.stderr.splitlines())
+    return any(re.search(r"\|\s+torch$", line.rstrip()) for line in proc.stderr.splitlines())
 
 
 def main() -> None:

@@ -20,8 +20,6 @@ import copy
 import re
 from dataclasses import dataclass, replace
 
-import torch
-
 from ckptool.core.index import (
     CheckpointIndex,
     Location,
@@ -29,8 +27,11 @@ from ckptool.core.index import (
     TensorInfo,
     WrappingReader,
 )
+from ckptool.core.lazy import lazy
 from ckptool.core.regions import Region, Shard
 from ckptool.core.storage import Store
+
+torch = lazy("torch", globals())
 
 KINDS = ("exp_avg", "exp_avg_sq", "fp32_param")
 PREFIX = "optimizer.state."
