@@ -221,7 +221,7 @@ def main() -> None:
                 ("cp -r (data left in page cache)", t_cp, rss_cp),
                 ("cp -r && sync (durable)", t_cps, float("nan")),
                 (f"ckptool reshard (--workers {args.workers}; durable)", t_ck, rss_ck),
-                (f"ckptool reshard --no-fsync", t_nf, rss_nf),
+                ("ckptool reshard --no-fsync", t_nf, rss_nf),
                 ("naive load-cat-save (no fsync)", t_nv, rss_nv)]:
             print(f"{name:<44}{sec:>9.2f}{size / 1e9 / sec:>8.2f}{rss:>13.2f}")
         print("like with like:")

@@ -10,6 +10,10 @@ the fp32 masters and Adam moments the new engine holds (DeepSpeed's ``safe_get_f
 gathers each DP partition) equal the saved engine's bit for bit, the module weights too, and
 the first resumed loss is the uninterrupted run's. Cases: fp32 ZeRO-1, bf16 ZeRO-1, and bf16
 with DeepSpeed's BF16_Optimizer (stage 0), which Megatron-DeepSpeed's bf16 runs use.
+
+``ckptool convert STEP --to deepspeed`` of the ZeRO-1 hook checkpoints writes pipeline layer
+files, model states and ZeRO-1 files that plain DeepSpeed ``engine.load_checkpoint`` reads at
+TP2 x PP1 x DP2 and TP1 x PP2 x DP2, with the same state bit for bit and the same next loss.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ CASES = (("fp32", 1, "fp32"), ("bf16", 1, "bf16"), ("bf16opt", 0, "bf16"))
 """(name, ZeRO stage, precision); bf16 at stage 0 runs DeepSpeed's BF16_Optimizer."""
 TARGETS = ((1, 2), (2, 1))
 """(TP, PP) of the resumed jobs, DP = 4 / (TP * PP) = 2."""
+NATIVE = ("fp32", "bf16")
+"""The cases converted to DeepSpeed's own files (ZeRO-1)."""
 
 
 def _args(tp: int, pp: int) -> argparse.Namespace:
@@ -47,7 +53,7 @@ def _record(eng) -> dict:
     return {"state": H.full_state(eng), "stage": eng.stage_id, "tp": T._TP["rank"],
             "dp": eng.grid.data_parallel_id, "global_steps": eng.global_steps,
             "module": {n: p.detach().clone() for n, p in eng.module.named_parameters()},
-            "lr": eng.optimizer.optimizer.param_groups[0]["lr"]}
+            "lr": eng.optimizer.optimizer.param_groups[0]["lr"], "adam_steps": T.adam_steps(eng), "hyper": T.hyper(eng)}
 
 
 def _save_worker(rank: int, world: int, root: str, port: int) -> None:
@@ -134,8 +140,56 @@ def test_tp2_pp2_hook_checkpoint_resumes_at_another_topology(hook, name, tp, pp)
     assert {r["loss"] for r in truth} == {loss}  # every rank of a pipeline reports it
     for r in got:
         assert r["step"] == H.STEPS and r["global_steps"] == H.STEPS
+        assert r["adam_steps"] == truth[0]["adam_steps"] == [float(H.STEPS)] * 2
         assert r["lr"] == truth[0]["lr"]
         assert abs(r["loss"] - loss) / abs(loss) < 1e-5, (r["stage"], r["tp"], r["loss"], loss)
+
+
+@pytest.fixture(scope="module")
+def native(hook):
+    """Each ZeRO-1 hook checkpoint converted to DeepSpeed files at each target, loaded by
+    plain ``engine.load_checkpoint`` (``tests/harness/deepspeed_pipe_tp.py``)."""
+    import ckptool
+    from ckptool.cli import main
+
+    jobs = []
+    for name in NATIVE:
+        precision = dict((c[0], c[2]) for c in CASES)[name]
+        for tp, pp in TARGETS:
+            dst = hook / f"{name}.ds.tp{tp}pp{pp}"
+            try:
+                main(["convert", ckptool.latest(str(hook / name)).path, str(dst), "--to", "deepspeed",
+                      "--to-tp", str(tp), "--to-pp", str(pp), "--to-dp", str(WORLD // (tp * pp)),
+                      "--true-vocab-size", str(H.PIPE_ARGS["padded_vocab_size"])])
+            except SystemExit as exc:
+                assert exc.code in (0, None), f"convert exited {exc.code}"
+            jobs.append((dst, tp, pp, hook / f"{name}.native.tp{tp}pp{pp}", precision))
+    T.load(WORLD, jobs)
+    return hook
+
+
+@pytest.mark.parametrize("tp,pp", TARGETS, ids=[f"tp{t}pp{p}dp2" for t, p in TARGETS])
+@pytest.mark.parametrize("name", NATIVE)
+def test_converted_hook_checkpoint_loads_in_deepspeed(native, name, tp, pp):
+    truth = _load(native, f"{name}.rank{{}}.truth.pt")
+    got = _load(native, f"{name}.native.tp{tp}pp{pp}.rank{{}}.pt")
+    source, loaded = _by_name(truth), _by_name(got)
+    assert sorted(loaded) == sorted(source) and len(source) == 4 * 52
+    for key, value in source.items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+    loss = truth[0]["loss"]
+    for r in got:
+        assert r["global_steps"] == H.STEPS and r["adam_steps"] == truth[0]["adam_steps"]
+        assert r["hyper"] == truth[0]["hyper"] and r["hyper"][0]["weight_decay"] == 0.01
+        assert abs(r["loss"] - loss) / abs(loss) < 1e-5, (r["stage"], r["tp"], r["loss"], loss)
+
+
+def test_bf16_optimizer_hook_checkpoint_is_refused_as_deepspeed_files(hook, run_cli, tmp_path):
+    import ckptool
+
+    res = run_cli("convert", ckptool.latest(str(hook / "bf16opt")).path, tmp_path / "ds", "--to",
+                  "deepspeed")
+    assert res.code == 2 and "BF16_Optimizer" in res.err and not (tmp_path / "ds").exists()
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])

@@ -37,6 +37,8 @@ embeddings is a replica; its dead copy of the position embeddings is not describ
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from ckptool.core.errors import UsageError
@@ -134,8 +136,6 @@ def _is_pipeline(engine) -> bool:
 
 def _pipeline_state(engine, args) -> dict:
     """:func:`sharded_state` of a ``PipelineEngine`` rank (see the module docstring)."""
-    import argparse
-
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     from ckptool.core.layout import check
@@ -217,7 +217,59 @@ def _pipeline_state(engine, args) -> dict:
             optim_state[key] = Sharded(state["step"], Shard.of(Region.whole(key, ())),
                                        replica or dp_rank > 0 or tp_rank > 0)
 
-    return {"model": model_state, "optimizer": optim_state, "engine": _engine_objects(engine)}
+    objects = _engine_objects(engine)
+    record = _pipeline_record(engine, layers, groups, pp_rank * tp + tp_rank, dp_rank,
+                              bf16_optimizer=stage == 0)
+    plain = (int, float, str, bool, type(None), list, tuple)  # what the files carry of the args
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    live = {"hyper": objects["param_groups"],
+            "args": {k: v for k, v in given.items() if isinstance(v, plain)},
+            **{k: objects[k] for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler")}}
+    return {"model": model_state, "optimizer": optim_state, "engine": objects,
+            "deepspeed": {"pipeline": [{**record, **live}]}}
+
+
+PIPELINE_OBJECT = "deepspeed.pipeline"
+"""The hook's record of a pipeline engine's structure (one list of one dict): what DeepSpeed's
+own checkpoint of the job holds beside the tensors (the layer files' entries, each
+model-parallel rank's param groups in flat order, the spec indices, the config), so
+``ckptool convert STEP --to deepspeed`` writes files DeepSpeed's ``load_checkpoint`` reads
+(:func:`converters.deepspeed.pipe.adopt_hook_state`)."""
+
+
+def _pipeline_record(engine, layers, groups, mp: int, dp_rank: int, bf16_optimizer: bool) -> dict:
+    """The static part of :data:`PIPELINE_OBJECT`, gathered from every rank on the first
+    call (collective: every rank describes its engine at the same point) and kept on the
+    engine."""
+    import deepspeed
+    import torch.distributed as dist
+
+    cached = getattr(engine, "_ckptool_pipeline", None)
+    if cached is not None:
+        return cached
+    module = engine.module
+    local = {"mp": mp, "groups": groups if dp_rank == 0 else None,
+             "entries": {module._local_start + i: list(f.state_dict())
+                         for i, f in enumerate(module.forward_funcs)
+                         if isinstance(f, torch.nn.Module)} if dp_rank == 0 else {}}
+    gathered = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+    entries, by_mp = {}, {}
+    for part in gathered:
+        entries.update(part["entries"])
+        if part["groups"] is not None:
+            by_mp[part["mp"]] = part["groups"]
+    config = getattr(engine, "config", None)
+    record = {"layers": [layers.embedding, layers.num_layers, layers.head],
+              "entries": dict(sorted(entries.items())), "groups": dict(sorted(by_mp.items())),
+              "bf16_files": bool(engine.bfloat16_enabled()), "bf16_optimizer": bf16_optimizer,
+              "gradient_clipping": float(engine.gradient_clipping() or 0.0),
+              "ds_config": config if isinstance(config, dict) else None,
+              "ds_version": deepspeed.__version__}
+    engine._ckptool_pipeline = record
+    return record
 
 
 def _adam_state(optimizer: torch.optim.Optimizer, flat: torch.Tensor) -> dict:

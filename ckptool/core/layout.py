@@ -172,6 +172,11 @@ def model_spec(config: dict, where: str | None = None) -> ModelSpec:
     """The :class:`ModelSpec` a stored ``model_config`` describes. A manifest's is the
     training job's own dict (the hook takes any), so one that is not a ModelSpec (unknown or
     missing fields) is refused here, naming them, where the layout rules are needed."""
+    if not isinstance(config, dict):
+        raise UnreadableInput("the checkpoint records no model config, which this output needs "
+                              "to lay the tensors out", path=where,
+                              hint="Save it with AsyncCheckpointer(..., model_config=asdict(spec)), "
+                                   "or convert to dcp")
     fields = ModelSpec.__dataclass_fields__
     unknown = sorted(str(k) for k in config if k not in fields)
     if unknown:

@@ -543,12 +543,15 @@ class PipelineWriter(Writer):
 
     @classmethod
     def serves(cls, index: CheckpointIndex) -> bool:
-        return index.layout(PipeLayout) is not None
+        return index.layout(PipeLayout) is not None or HOOK_OBJECT in index.objects
 
     def __init__(self):
         self.spec = None
         self._params: dict = {}
         self.group_of: dict[str, int] = {}
+
+    def bind(self, opened) -> None:
+        adopt_hook_state(opened)  # a save-hook checkpoint of a pipeline engine
 
     def target_spec(self, index: CheckpointIndex, source: Topology, target: Topology,
                     true_vocab_size: int | None):
@@ -703,6 +706,95 @@ class PipelineWriter(Writer):
         store.write_bytes("latest", index.layout(PipeLayout).tag.encode())
         store.write_bytes(TRACKER, str(index.iteration or 0).encode())  # Megatron-DeepSpeed's tracker
         return ["latest", TRACKER]
+
+
+HOOK_OBJECT = "deepspeed.pipeline"
+"""What the save hook records of a pipeline engine (``training.deepspeed.PIPELINE_OBJECT``)."""
+
+
+def adopt_hook_state(opened) -> None:
+    """Give a save-hook checkpoint of a Megatron-DeepSpeed pipeline engine the
+    :class:`PipeLayout` its record describes (layer entries, each model-parallel rank's param
+    groups, spec indices, config, step counters), with DeepSpeed's ZeRO-1 file entries as a
+    fresh engine writes them, so :class:`PipelineWriter` writes it as from DeepSpeed's own
+    checkpoint. The per-parameter Adam steps become their group's step (checked equal)."""
+    index = opened.index
+    obj = index.objects.get(HOOK_OBJECT)
+    if obj is None or index.layout(PipeLayout) is not None:
+        return
+    where = opened.store.url
+    value = opened.reader.read_object(opened.store, obj)
+    record = value[0] if isinstance(value, list) and len(value) == 1 else None
+    needed = ("layers", "entries", "groups", "hyper", "args", "bf16_files", "bf16_optimizer")
+    if not isinstance(record, dict) or any(k not in record for k in needed):
+        raise UnreadableInput(f"the hook's {HOOK_OBJECT} record is not one ckptool writes", path=where)
+    if record["bf16_optimizer"]:
+        raise UnreadableInput("a hook checkpoint of a BF16_Optimizer pipeline engine is not written "
+                              "as DeepSpeed files yet", path=where,
+                              hint="Resume it through the hook, or convert to dcp")
+    groups = {int(mp): [[(n, tuple(shape)) for n, shape in g] for g in gs]
+              for mp, gs in record["groups"].items()}
+    hyper = [dict(h) for h in record["hyper"]]
+    if not groups or any(len(g) != len(hyper) for g in groups.values()):
+        raise UnreadableInput("the hook's record holds no param groups for every rank", path=where)
+    layers = PipeLayers(*record["layers"])
+    steps = _group_steps(opened, groups, layers)
+    args = argparse.Namespace(**record["args"])
+    if index.model_config is None:  # the job's Megatron args say what the model is
+        index.model_config = _asdict(spec_from_args(args)[0])
+    iteration = index.iteration if index.iteration is not None else int(record.get("global_steps") or 0)
+    topo = index.topology or Topology()
+    version = record.get("ds_version") or "0.16.0"
+    model_states = dict(
+        module=None, buffer_names=[], optimizer=None, param_shapes=[], frozen_param_shapes=None,
+        shared_params={}, frozen_param_fragments=None, lr_scheduler=record.get("lr_scheduler"),
+        data_sampler=None, random_ltd=None, sparse_tensor_module_names=set(),
+        skipped_steps=int(record.get("skipped_steps") or 0), global_steps=iteration,
+        global_samples=int(record.get("global_samples") or 0), dp_world_size=topo.dp,
+        mp_world_size=topo.tp * topo.pp, ds_config=record.get("ds_config") or {},
+        ds_version=version, args=args, checkpoint_version=3.0, iteration=iteration)
+    from converters.deepspeed.engine import _loss_scaler  # lazy: the engine writer's own rule
+
+    optim = Layout(
+        tag=f"global_step{iteration}", stage=1, bf16_files=bool(record["bf16_files"]),
+        bf16_optimizer=False, groups=groups[min(groups)], frozen=[], shared={}, module=[],
+        model_states=model_states, optim_file={"ds_config": model_states["ds_config"], "ds_version": version},
+        osd={"loss_scaler": _loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
+             "clip_grad": float(record.get("gradient_clipping") or 0.0), "zero_stage": 1,
+             "ds_version": version},
+        hyper=hyper, steps=steps)
+    entries = {int(idx): list(names) for idx, names in record["entries"].items()}
+    index.set_layout(PipeLayout(layers, optim.tag, entries, groups, model_states, False, optim))
+    index.set_layout(ParamGroups(groups, hyper, steps))
+    index.objects["args"] = ObjectInfo("args", value=args)
+    for key in ("iteration", "global_steps", "global_samples", "skipped_steps", "lr_scheduler"):
+        index.objects[key] = ObjectInfo(key, value=model_states[key])
+
+
+def _group_steps(opened, groups: dict, layers: PipeLayers) -> list:
+    """Each param group's Adam step, from the hook's per-parameter steps (which must agree
+    within a group); the per-parameter tensors then leave the view."""
+    index = opened.index
+    steps: list = [None] * len(next(iter(groups.values())))
+    for group_list in groups.values():
+        for g, group in enumerate(group_list):
+            for name, _ in group:
+                found = layers.parameter(name)
+                legacy = layers.legacy_name(*found) if found else None
+                canonical = to_canonical("legacy", legacy, range(layers.num_layers), True)[0] \
+                    if legacy else None
+                info = index.tensors.get(state_key("step", canonical)) if canonical else None
+                if info is None:
+                    continue  # the last stage's dead copy of the tied module's other weights
+                value = float(opened.reader.read_piece(opened.store, info.pieces[0], info.dtype))
+                if steps[g] is None:
+                    steps[g] = value
+                elif steps[g] != value:
+                    raise UnreadableInput(f"param group {g} holds parameters at steps {steps[g]} and "
+                                          f"{value}", path=opened.store.url, key=info.key)
+    for key in [k for k in index.tensors if k.startswith("optimizer.state.step.")]:
+        del index.tensors[key]
+    return [torch.tensor(s if s is not None else 0.0) for s in steps]
 
 
 def stage_parameters(layout: PipeLayout, lo: int, hi: int) -> list[str]:

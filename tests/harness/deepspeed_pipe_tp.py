@@ -22,7 +22,6 @@ layer files) with the TP shard shapes: what ``ckptool reshard --to-tp N`` writes
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -222,6 +221,16 @@ def engine(tp: int, pp: int, dp: int, stage: int = 1, precision: str = "fp32"):
     return eng
 
 
+def adam_steps(eng) -> list[float]:
+    """The Adam step of each of the engine's torch optimizer states (one per param group)."""
+    return [float(st["step"]) for st in eng.optimizer.optimizer.state.values() if "step" in st]
+
+
+def hyper(eng) -> list[dict]:
+    """Each param group's hyperparameters (weight decay, lr, betas...), without its params."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in eng.optimizer.optimizer.param_groups]
+
+
 def whole(shards: list[torch.Tensor], name: str) -> torch.Tensor:
     """The full tensor from its TP shards (rank order); a replicated one must be the same on
     every rank."""
@@ -234,21 +243,22 @@ def whole(shards: list[torch.Tensor], name: str) -> torch.Tensor:
 
 def _load_worker(rank: int, world: int, jobs: list, port: int) -> None:
     H._init(rank, world, port)
-    for ckpt, tp, pp, result in jobs:
-        eng = engine(tp, pp, world // (tp * pp))
+    for ckpt, tp, pp, result, *precision in jobs:
+        eng = engine(tp, pp, world // (tp * pp), 1, *precision)
         path, _ = eng.load_checkpoint(ckpt)
         assert path is not None, f"DeepSpeed found no checkpoint in {ckpt}"
         record = P._record(eng)
-        record.update(tp=_TP["rank"], dp=eng.grid.data_parallel_id,
+        record.update(tp=_TP["rank"], dp=eng.grid.data_parallel_id, adam_steps=adam_steps(eng),
+                      hyper=hyper(eng),
                       module={n: p.detach().clone() for n, p in eng.module.named_parameters()})
         record["loss"] = P.train_batch(eng, H.NEXT_STEP)
         torch.save(record, f"{result}.rank{rank}.pt")
 
 
-def load(world: int, jobs: list[tuple[Path, int, int, Path]]) -> None:
-    """For each ``(checkpoint, tp, pp, result)``: build the engine at TP ``tp``, PP ``pp``
-    (DP ``world // (tp * pp)``), ``load_checkpoint``, and record in ``{result}.rank{r}.pt``
+def load(world: int, jobs: list[tuple]) -> None:
+    """For each ``(checkpoint, tp, pp, result[, precision])``: build the ZeRO-1 engine at TP
+    ``tp``, PP ``pp`` (DP ``world // (tp * pp)``; fp32 by default), ``load_checkpoint``, and record in ``{result}.rank{r}.pt``
     this rank's fp32 masters and Adam moments (``state``: its TP shards, by parameter name),
     the module's own weights (``module``: what the forward uses, read from the layer files),
     its stage, TP and DP ranks, and the loss of the next ``train_batch``."""
-    P._spawn(_load_worker, world, [(str(c), tp, pp, str(r)) for c, tp, pp, r in jobs])
+    P._spawn(_load_worker, world, [(str(c), tp, pp, str(r), *rest) for c, tp, pp, r, *rest in jobs])
