@@ -63,6 +63,7 @@ from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
 from ckptool.core.layout import WORD_EMBEDDINGS, check, split
 from ckptool.core.optimizer import ParamGroups, state_key
 from ckptool.core.regions import Shard, flat_regions
+from ckptool.core.safe_pickle import record_class
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending
 from ckptool.core.torchreader import save_target
@@ -728,10 +729,7 @@ def adopt_hook_state(opened) -> None:
     needed = ("layers", "entries", "groups", "hyper", "args", "bf16_files", "bf16_optimizer")
     if not isinstance(record, dict) or any(k not in record for k in needed):
         raise UnreadableInput(f"the hook's {HOOK_OBJECT} record is not one ckptool writes", path=where)
-    if record["bf16_optimizer"]:
-        raise UnreadableInput("a hook checkpoint of a BF16_Optimizer pipeline engine is not written "
-                              "as DeepSpeed files yet", path=where,
-                              hint="Resume it through the hook, or convert to dcp")
+    bf16_optimizer = bool(record["bf16_optimizer"])  # DeepSpeed's bf16 pipelines at stage 0
     groups = {int(mp): [[(n, tuple(shape)) for n, shape in g] for g in gs]
               for mp, gs in record["groups"].items()}
     hyper = [dict(h) for h in record["hyper"]]
@@ -745,26 +743,32 @@ def adopt_hook_state(opened) -> None:
     iteration = index.iteration if index.iteration is not None else int(record.get("global_steps") or 0)
     topo = index.topology or Topology()
     version = record.get("ds_version") or "0.16.0"
-    model_states = dict(
-        module=None, buffer_names=[], optimizer=None, param_shapes=[], frozen_param_shapes=None,
-        shared_params={}, frozen_param_fragments=None, lr_scheduler=record.get("lr_scheduler"),
-        data_sampler=None, random_ltd=None, sparse_tensor_module_names=set(),
+    model_states = dict(  # BF16_Optimizer records no param_shapes (its state is in `optimizer`)
+        module=None, buffer_names=[], optimizer=None, param_shapes=None if bf16_optimizer else [],
+        frozen_param_shapes=None,
+        shared_params=None, frozen_param_fragments=None, lr_scheduler=record.get("lr_scheduler"),
+        data_sampler=None, random_ltd=None,
         skipped_steps=int(record.get("skipped_steps") or 0), global_steps=iteration,
         global_samples=int(record.get("global_samples") or 0), dp_world_size=topo.dp,
-        mp_world_size=topo.tp * topo.pp, ds_config=record.get("ds_config") or {},
+        mp_world_size=topo.tp * topo.pp,
+        checkpoint_parallel_dimensions={"pp_degree": topo.pp, "tp_degree": topo.tp},
+        ds_config=record.get("ds_config") or {},
         ds_version=version, args=args, checkpoint_version=3.0, iteration=iteration)
     from converters.deepspeed.engine import _loss_scaler  # lazy: the engine writer's own rule
 
+    clip = float(record.get("gradient_clipping") or 0.0)
+    osd = {"clip_grad": clip, "ds_version": version} if bf16_optimizer else {
+        "loss_scaler": _loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
+        "clip_grad": clip, "zero_stage": 1, "ds_version": version}
     optim = Layout(
-        tag=f"global_step{iteration}", stage=1, bf16_files=bool(record["bf16_files"]),
-        bf16_optimizer=False, groups=groups[min(groups)], frozen=[], shared={}, module=[],
-        model_states=model_states, optim_file={"ds_config": model_states["ds_config"], "ds_version": version},
-        osd={"loss_scaler": _loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
-             "clip_grad": float(record.get("gradient_clipping") or 0.0), "zero_stage": 1,
-             "ds_version": version},
-        hyper=hyper, steps=steps)
+        tag=f"global_step{iteration}", stage=0 if bf16_optimizer else 1,
+        bf16_files=bool(record["bf16_files"]), bf16_optimizer=bf16_optimizer,
+        groups=groups[min(groups)], frozen=[], shared={}, module=[], model_states=model_states,
+        optim_file={"ds_config": model_states["ds_config"], "ds_version": version}, osd=osd,
+        hyper=hyper, steps=steps,  # param_slice_mappings as DeepSpeed writes them
+        fragment_type=record_class("deepspeed.utils.tensor_fragment", "fragment_address"))
     entries = {int(idx): list(names) for idx, names in record["entries"].items()}
-    index.set_layout(PipeLayout(layers, optim.tag, entries, groups, model_states, False, optim))
+    index.set_layout(PipeLayout(layers, optim.tag, entries, groups, model_states, bf16_optimizer, optim))
     index.set_layout(ParamGroups(groups, hyper, steps))
     index.objects["args"] = ObjectInfo("args", value=args)
     for key in ("iteration", "global_steps", "global_samples", "skipped_steps", "lr_scheduler"):

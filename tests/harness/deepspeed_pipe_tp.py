@@ -243,8 +243,9 @@ def whole(shards: list[torch.Tensor], name: str) -> torch.Tensor:
 
 def _load_worker(rank: int, world: int, jobs: list, port: int) -> None:
     H._init(rank, world, port)
-    for ckpt, tp, pp, result, *precision in jobs:
-        eng = engine(tp, pp, world // (tp * pp), 1, *precision)
+    for ckpt, tp, pp, result, *kind in jobs:  # kind: (precision[, ZeRO stage])
+        precision, stage = (kind + ["fp32", 1][len(kind):])[:2]
+        eng = engine(tp, pp, world // (tp * pp), stage, precision)
         path, _ = eng.load_checkpoint(ckpt)
         assert path is not None, f"DeepSpeed found no checkpoint in {ckpt}"
         record = P._record(eng)
@@ -256,8 +257,8 @@ def _load_worker(rank: int, world: int, jobs: list, port: int) -> None:
 
 
 def load(world: int, jobs: list[tuple]) -> None:
-    """For each ``(checkpoint, tp, pp, result[, precision])``: build the ZeRO-1 engine at TP
-    ``tp``, PP ``pp`` (DP ``world // (tp * pp)``; fp32 by default), ``load_checkpoint``, and record in ``{result}.rank{r}.pt``
+    """For each ``(checkpoint, tp, pp, result[, precision[, stage]])``: build the engine at TP
+    ``tp``, PP ``pp`` (DP ``world // (tp * pp)``; fp32 ZeRO-1 by default), ``load_checkpoint``, and record in ``{result}.rank{r}.pt``
     this rank's fp32 masters and Adam moments (``state``: its TP shards, by parameter name),
     the module's own weights (``module``: what the forward uses, read from the layer files),
     its stage, TP and DP ranks, and the loss of the next ``train_batch``."""
