@@ -66,25 +66,48 @@ class Record:
     _module = "?"
     _name = "?"
     unsafe = False
+    # Defaults an instance overrides only when it has them (a DCP .metadata holds several
+    # records per chunk: each costs one object and its fields, nothing more).
+    _args: tuple = ()
+    _state = None
+    _via_new = True
+    _items: dict | None = None
+    """A dict subclass's items (None: none)."""
+    _list: list | None = None
+    """A list subclass's items (None: none)."""
 
     def __new__(cls, *args):
         obj = object.__new__(cls)
-        obj.__dict__.update(_args=args, _state=None, _via_new=True, _items={}, _list=[])
+        if args:
+            obj.__dict__["_args"] = args
         return obj
 
     def __init__(self, *args):
-        self.__dict__.update(_args=args, _via_new=False)
+        d = self.__dict__
+        d["_args"], d["_via_new"] = args, False
 
     def __setstate__(self, state):
         d = self.__dict__
         d["_state"] = state
-        d.pop("_hash", None)
+        if "_hash" in d:
+            del d["_hash"]
         # the fields as plain attributes: read without __getattr__ (a DCP .metadata holds a
         # record per chunk); names the class itself uses (unsafe, fields...) stay the class's
+        fields = state if type(state) is dict else self.fields()
+        names = tuple(fields)
+        safe = _SAFE_FIELDS.setdefault(type(self), set())
+        if names in safe:  # the same field names as a record of this class before: all plain
+            d.update(fields)
+            return
         reserved = _RESERVED
-        for k, v in self.fields().items():
-            if type(k) is str and not k.startswith("_") and k not in reserved:
+        plain = True
+        for k, v in fields.items():
+            if type(k) is str and k[:1] != "_" and k not in reserved:
                 d[k] = v
+            else:
+                plain = False
+        if plain and len(safe) < 64:
+            safe.add(names)
 
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -109,16 +132,19 @@ class Record:
         return new
 
     def __setitem__(self, key, value):  # dict subclasses
-        self.__dict__.pop("_hash", None)
-        self._items[key] = value
+        d = self.__dict__
+        d.pop("_hash", None)
+        d.setdefault("_items", {})[key] = value
 
     def append(self, value):  # list subclasses
-        self.__dict__.pop("_hash", None)
-        self._list.append(value)
+        d = self.__dict__
+        d.pop("_hash", None)
+        d.setdefault("_list", []).append(value)
 
     def extend(self, values):
-        self.__dict__.pop("_hash", None)
-        self._list.extend(values)
+        d = self.__dict__
+        d.pop("_hash", None)
+        d.setdefault("_list", []).extend(values)
 
     @property
     def qualified_name(self) -> str:
@@ -134,11 +160,16 @@ class Record:
         return isinstance(other, Record) and self._key() == other._key()
 
     def __hash__(self):  # DCP's MetadataIndex is a dict key; hashed once (until changed)
-        h = self.__dict__.get("_hash")
+        d = self.__dict__
+        h = d.get("_hash")
         if h is None:
-            h = self.__dict__["_hash"] = hash(_frozen(self._key()))
+            h = d["_hash"] = hash((self._module, self._name, _frozen(self._args), _frozen(self._state),
+                                   _frozen(self._items), _frozen(self._list)))
         return h
 
+
+_SAFE_FIELDS: dict[type, set[tuple]] = {}
+"""Per stand-in class, the field-name tuples seen whose every name reads as an attribute."""
 
 _RESERVED = frozenset(dir(Record))
 """Attribute names of the stand-ins themselves, never shadowed by a pickled field."""
@@ -151,10 +182,24 @@ class Unsafe(Record):
     unsafe = True
 
 
+_PLAIN_TYPES = (str, int, float, bool, type(None), bytes)
+
+
 def _frozen(value):
+    """A hashable value equal for equal ``value``s (what a record's hash is taken of)."""
+    if type(value) in _PLAIN_TYPES:
+        return value
     if isinstance(value, dict):
+        if all(type(k) is str for k in value):  # distinct keys: the pairs sort by key alone
+            return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
         return tuple(sorted(((k, _frozen(v)) for k, v in value.items()), key=repr))
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, tuple):
+        try:
+            hash(value)  # a tuple of plain values (offsets, a torch.Size) is its own frozen form
+            return value
+        except TypeError:
+            return tuple(_frozen(v) for v in value)
+    if isinstance(value, list):
         return tuple(_frozen(v) for v in value)
     try:
         hash(value)
@@ -369,6 +414,8 @@ class Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = _PLAIN.get((module, name))
         if found is not None:
+            if found is _torch_size and _torch() is not None:
+                return _torch().Size  # resolved once per pickle, not per call
             return found
         if (module, name) in _RECORDS:
             return record_class(module, name)
