@@ -88,28 +88,11 @@ def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
 
 
 def _shims():
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    plain_type = torch.Tensor.type
+    """Megatron-Core on CPU: the example trainer's shims (CUDA device calls, ``Tensor.cuda``,
+    ``Tensor.type()`` reporting ``torch.cuda.*``, factories asked for ``device="cuda"``)."""
+    from examples.train_megatron_core import cpu_shims
 
-    def cuda_type(self, *a, **k):
-        r = plain_type(self, *a, **k)
-        if not a and not k and isinstance(r, str) and ".cuda." not in r:
-            return r.replace("torch.", "torch.cuda.", 1)
-        return r
-
-    torch.Tensor.type = cuda_type
-
-    def on_cpu(factory):
-        def make(*a, **k):
-            if str(k.get("device", "")).startswith("cuda"):
-                k["device"] = "cpu"
-            return factory(*a, **k)
-        return make
-
-    for name in ("tensor", "zeros", "ones", "empty", "full"):
-        setattr(torch, name, on_cpu(getattr(torch, name)))
+    cpu_shims()
 
 
 def _setup(c: dict):
