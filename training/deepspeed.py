@@ -43,16 +43,15 @@ import torch
 
 from ckptool.core.errors import UsageError
 from ckptool.core.optimizer import state_key
-from ckptool.core.regions import Region, Shard, flat_regions
+from ckptool.core.regions import Region, Shard
 from converters.deepspeed.pipe import pipe_layers, place_parameter
 from converters.deepspeed.zero import (
     parameter_alignment,
     zero3_partition,
     zero_partition,
 )
-from training.state import Sharded
+from training.state import ADAM_KINDS, Sharded, adam_state, flat_entry
 
-ADAM_KINDS = ("exp_avg", "exp_avg_sq")
 
 
 def sharded_state(engine, args=None) -> dict:
@@ -111,7 +110,7 @@ def sharded_state(engine, args=None) -> dict:
         if flat.numel() not in (shard.shape[0], shard.shape[0] - pad):
             raise UsageError(f"fp32 partition of param group {g} has {flat.numel()} elements, the "
                              f"ZeRO-{stage} rule at DP{dp} says {shard.shape[0]}")
-        state = _adam_state(opt.optimizer, flat)
+        state = adam_state(opt.optimizer, flat, "training.deepspeed")
         vectors = [("fp32_param" if stage < 3 else None, flat.data)]
         vectors += [(kind, state[kind]) for kind in ADAM_KINDS]
         for kind, buffer in vectors:
@@ -198,7 +197,7 @@ def _pipeline_state(engine, args) -> dict:
         if flat.numel() != shard.shape[0] - (0 if keeps_padding else pad):
             raise UsageError(f"fp32 partition of param group {g} has {flat.numel()} elements, the "
                              f"ZeRO rule at DP{dp} says {shard.shape[0]}", hint=where)
-        state = _adam_state(opt.optimizer, flat)
+        state = adam_state(opt.optimizer, flat, "training.deepspeed")
         for kind, buffer in [("fp32_param", flat.data)] + [(k, state[k]) for k in ADAM_KINDS]:
             flat_buffer = buffer.view(-1)
             for offset, region in shard.parts:
@@ -207,8 +206,8 @@ def _pipeline_state(engine, args) -> dict:
                 canonical, replica, tshard = placed[region.key]
                 lo, hi = region.flat
                 key = state_key(kind, canonical)
-                optim_state[key] = Sharded(flat_buffer[offset:offset + hi - lo], Shard(
-                    (hi - lo,), tuple(flat_regions(tshard.parts, lo, hi, key))), replica)
+                optim_state[key] = flat_entry(flat_buffer[offset:offset + hi - lo], tshard.parts,
+                                              lo, hi, key, replica)
         for name, _ in group:  # every rank holds the group's step; one writes each
             if placed[name] is None:
                 continue
@@ -270,22 +269,6 @@ def _pipeline_record(engine, layers, groups, mp: int, dp_rank: int, bf16_optimiz
               "ds_version": deepspeed.__version__}
     engine._ckptool_pipeline = record
     return record
-
-
-def _adam_state(optimizer: torch.optim.Optimizer, flat: torch.Tensor) -> dict:
-    """The torch Adam state of one flat partition, created (zero) if it has not stepped."""
-    state = optimizer.state[flat]
-    if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        for kind in ADAM_KINDS:
-            state[kind] = torch.zeros_like(flat, memory_format=torch.preserve_format)
-    missing = [k for k in ("step", *ADAM_KINDS) if k not in state]
-    if missing:
-        raise UsageError(f"the optimizer {type(optimizer).__name__} has no {', '.join(missing)} "
-                         "state", hint="training.deepspeed describes Adam/AdamW state")
-    if not isinstance(state["step"], torch.Tensor):
-        state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-    return state
 
 
 _SCALER = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "scale_factor",

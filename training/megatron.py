@@ -37,12 +37,11 @@ import torch
 from ckptool.core.errors import UsageError
 from ckptool.core.layout import ModelSpec, expert_name, expert_of, expert_ranks, layout
 from ckptool.core.optimizer import state_key, state_shard
-from ckptool.core.regions import Region, Shard, flat_regions
+from ckptool.core.regions import Region, Shard
 from ckptool.core.topology import Topology
 from converters.schemas.megatron import SCHEMAS, detect_schema
-from training.state import Sharded
+from training.state import ADAM_KINDS, Sharded, adam_state, flat_entry
 
-ADAM_KINDS = ("exp_avg", "exp_avg_sq")
 
 
 def sharded_state(model, spec: ModelSpec, topo: Topology, *, tp_rank: int, pp_rank: int,
@@ -179,25 +178,12 @@ def _distributed_state(inners: list, param: torch.Tensor, key: str, shard: Shard
         raise UsageError(f"the distributed optimizer's main param of {name!r} has {main.numel()} "
                          f"elements, its range [{span.start}, {span.end}) "
                          f"{span.end - span.start}")
-    state = inner.optimizer.state[main]
-    if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        for kind in ADAM_KINDS:
-            state[kind] = torch.zeros_like(main, memory_format=torch.preserve_format)
-    missing = [k for k in ("step", *ADAM_KINDS) if k not in state]
-    if missing:
-        raise UsageError(f"the optimizer {type(inner.optimizer).__name__} has no "
-                         f"{', '.join(missing)} state", hint="training.megatron describes Adam state")
+    state = adam_state(inner.optimizer, main, "training.megatron")
     out = {}
     for kind, buffer in (("fp32_param", main), *((k, state[k]) for k in ADAM_KINDS)):
         k = state_key(kind, key)
-        out[k] = Sharded(buffer.detach().view(-1), Shard(
-            (span.end - span.start,), tuple(flat_regions(shard.parts, span.start, span.end, k))),
-            replica)
-    step = state["step"]
-    if not isinstance(step, torch.Tensor):
-        step = state["step"] = torch.tensor(float(step))
-    out[state_key("step", key)] = Sharded(step, Shard.of(Region.whole(state_key("step", step_key), ())),
+        out[k] = flat_entry(buffer.detach().view(-1), shard.parts, span.start, span.end, k, replica)
+    out[state_key("step", key)] = Sharded(state["step"], Shard.of(Region.whole(state_key("step", step_key), ())),
                                           step_replica or span.start > 0)
     return out
 
@@ -215,18 +201,11 @@ def _adam_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str,
     """The Adam moments and step of ``param``, created (zero) if the optimizer has not
     stepped yet, so that a load can fill them in place. The step is the global tensor
     ``optimizer.state.step.<step_key>``: one per parameter, whatever its TP shards."""
-    state = optimizer.state[param]
-    if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        for kind in ADAM_KINDS:
-            state[kind] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    state = adam_state(optimizer, param, "training.megatron")
     out = {}
     for kind in ADAM_KINDS:
         out[state_key(kind, key)] = Sharded(state[kind], state_shard(kind, shard), replica)
-    step = state["step"]
-    if not isinstance(step, torch.Tensor):
-        step = state["step"] = torch.tensor(float(step))
-    out[state_key("step", key)] = Sharded(step, Shard.of(Region.whole(state_key("step", step_key), ())),
+    out[state_key("step", key)] = Sharded(state["step"], Shard.of(Region.whole(state_key("step", step_key), ())),
                                           step_replica)
     return out
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ckptool.core.regions import Region, Shard
+from ckptool.core.regions import Region, Shard, flat_regions
 
 
 @dataclass
@@ -80,6 +80,39 @@ def describe(state: dict, rank: int) -> tuple[list[Entry], dict[str, tuple[tuple
         else:
             objects[dotted(path)] = (path, value)
     return entries, objects
+
+
+ADAM_KINDS = ("exp_avg", "exp_avg_sq")
+"""The Adam moments every adapter describes (with the step)."""
+
+
+def adam_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, who: str) -> dict:
+    """The torch Adam state of ``param`` (a parameter, or a flat partition / main param),
+    created (zero, step 0) if the optimizer has not stepped yet, so that a load fills it in
+    place; the step as a tensor. ``who`` names the adapter in the error for other optimizers."""
+    from ckptool.core.errors import UsageError
+
+    state = optimizer.state[param]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        for kind in ADAM_KINDS:
+            state[kind] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    missing = [k for k in ("step", *ADAM_KINDS) if k not in state]
+    if missing:
+        raise UsageError(f"the optimizer {type(optimizer).__name__} has no {', '.join(missing)} "
+                         "state", hint=f"{who} describes Adam/AdamW state")
+    if not isinstance(state["step"], torch.Tensor):
+        state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+    return state
+
+
+def flat_entry(buffer: torch.Tensor, parts, start: int, stop: int, key: str,
+               replica: bool) -> Sharded:
+    """Elements ``[start, stop)`` of a TP shard whose ``parts`` are its regions, held in the
+    1-D ``buffer`` (a ZeRO partition's or distributed optimizer's slice), as the regions of
+    global tensor ``key`` they are (:func:`~ckptool.core.regions.flat_regions`)."""
+    return Sharded(buffer, Shard((stop - start,), tuple(flat_regions(parts, start, stop, key))),
+                   replica)
 
 
 def boxes(shard: Shard, buffer: torch.Tensor):
