@@ -70,3 +70,34 @@ def test_light_verify_still_finds_a_flipped_byte(run_root, tmp_path):
     data.write_bytes(raw)
     out, _, code = _run("verify", bad)
     assert code == 1 and "FAILED" in out
+
+
+def test_a_layout_where_a_dtype_belongs_is_refused_without_torch_too(run_root, tmp_path):
+    """The light unpickler reads torch's names as names: a pickle naming ``torch.strided`` (a
+    layout, the global torch itself never pickles for one) as a tensor's dtype is "no dtype"
+    (one line, exit 1), as with torch, never a traceback."""
+    import pickle
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    bad = tmp_path / "bad"
+    shutil.copytree(sorted(run_root.glob("step_*"))[-1], bad)
+    data = pickle.dumps(FileSystemReader(str(bad)).read_metadata())
+    assert b"\x8c\x07float32" in data  # the dtype global's name, same length as the layout's
+    (bad / ".metadata").write_bytes(data.replace(b"\x8c\x07float32", b"\x8c\x07strided"))
+    from ckptool.core.manifest import MANIFEST, hash_files
+    from ckptool.core.storage import Store
+
+    manifest = json.loads((bad / MANIFEST).read_text())  # recommitted: the hashes match again
+    size, digest = hash_files(Store.open(str(bad)), [".metadata"])[".metadata"]
+    for entry in manifest["files"]:
+        if entry["path"] == ".metadata":
+            entry.update(size=size, xxh3_128=digest)
+    (bad / MANIFEST).write_text(json.dumps(manifest))
+    for preload in (False, True):
+        script = ("import torch\n" if preload else "") + _RUN.format(argv=["verify", str(bad)])
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert "TORCH" in proc.stderr and proc.stderr.split("TORCH")[-1].split()[1] == "1"
+        assert "tensor has no dtype" in proc.stdout, proc.stdout

@@ -279,13 +279,14 @@ _ITEMSIZE = {"float": 4, "double": 8, "half": 2, "short": 2, "int": 4, "long": 8
              "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1}
 
 
-_TORCH_CONSTANTS = frozenset({
+_TORCH_DTYPES = frozenset({
     "float32", "float", "float64", "double", "float16", "half", "bfloat16", "complex32", "complex64",
     "complex128", "cfloat", "cdouble", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "short",
     "int32", "int", "int64", "long", "bool", "qint8", "quint8", "qint32", "quint4x2",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"})
+_TORCH_CONSTANTS = _TORCH_DTYPES | {
     "strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn",
-    "contiguous_format", "preserve_format", "channels_last", "channels_last_3d"})
+    "contiguous_format", "preserve_format", "channels_last", "channels_last_3d"}
 
 
 def _torch_constant(name: str):
@@ -299,7 +300,9 @@ def _torch_constant(name: str):
 def is_dtype(value) -> bool:
     """A dtype as the unpickler gives it: ``torch.dtype``, or :class:`TorchName` without torch."""
     torch = _torch()
-    return isinstance(value, TorchName) if torch is None else isinstance(value, torch.dtype)
+    if torch is None:  # a layout or memory format named where a dtype belongs is none
+        return isinstance(value, TorchName) and value.name in _TORCH_DTYPES
+    return isinstance(value, torch.dtype)
 
 
 def _torch_size(*args):

@@ -186,11 +186,11 @@ def rewrite(opened: Opened, dst: str, fmt: str, options: RewriteOptions,
     if options.model_family and fmt == "hf":
         format_options["model_family"] = options.model_family
     writer.configure(**format_options)
+    writer.bind(opened)  # may adopt what a source records beside its tensors (the hook's args)
     # nothing that changes the model's math is dropped: each field is carried or refused here
     refuse_uncarried_config(index, fmt)
     refuse_uncarried_args(index, fmt)
     target_topo = writer.target_topology(source_topo, changes)
-    writer.bind(opened)
     uncarried = writer.unsupported_state(index)
     if uncarried and not options.drop_optimizer:
         raise UsageError(f"the optimizer state cannot be carried: {uncarried}", path=opened.store.url,

@@ -730,14 +730,21 @@ def adopt_hook_state(opened) -> None:
     if not isinstance(record, dict) or any(k not in record for k in needed):
         raise UnreadableInput(f"the hook's {HOOK_OBJECT} record is not one ckptool writes", path=where)
     bf16_optimizer = bool(record["bf16_optimizer"])  # DeepSpeed's bf16 pipelines at stage 0
-    groups = {int(mp): [[(n, tuple(shape)) for n, shape in g] for g in gs]
-              for mp, gs in record["groups"].items()}
-    hyper = [dict(h) for h in record["hyper"]]
-    if not groups or any(len(g) != len(hyper) for g in groups.values()):
+    try:
+        groups = {int(mp): [[(str(n), tuple(int(d) for d in shape)) for n, shape in g] for g in gs]
+                  for mp, gs in record["groups"].items()}
+        hyper = [dict(h) for h in record["hyper"]]
+        layers = PipeLayers(*(None if v is None else int(v) for v in record["layers"]))
+        entries = {int(idx): [str(n) for n in names] for idx, names in record["entries"].items()}
+        if not all(type(k) is str for k in record["args"]):
+            raise TypeError("args keys")
+        args = argparse.Namespace(**record["args"])
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise UnreadableInput(f"the hook's {HOOK_OBJECT} record is not one ckptool writes ({exc})",
+                              path=where) from None
+    if not groups or any(len(g) != len(hyper) for g in groups.values()) or len(record["layers"]) != 3:
         raise UnreadableInput("the hook's record holds no param groups for every rank", path=where)
-    layers = PipeLayers(*record["layers"])
     steps = _group_steps(opened, groups, layers)
-    args = argparse.Namespace(**record["args"])
     if index.model_config is None:  # the job's Megatron args say what the model is
         index.model_config = _asdict(spec_from_args(args)[0])
     iteration = index.iteration if index.iteration is not None else int(record.get("global_steps") or 0)
@@ -767,7 +774,6 @@ def adopt_hook_state(opened) -> None:
         optim_file={"ds_config": model_states["ds_config"], "ds_version": version}, osd=osd,
         hyper=hyper, steps=steps,  # param_slice_mappings as DeepSpeed writes them
         fragment_type=record_class("deepspeed.utils.tensor_fragment", "fragment_address"))
-    entries = {int(idx): list(names) for idx, names in record["entries"].items()}
     index.set_layout(PipeLayout(layers, optim.tag, entries, groups, model_states, bf16_optimizer, optim))
     index.set_layout(ParamGroups(groups, hyper, steps))
     index.objects["args"] = ObjectInfo("args", value=args)
@@ -790,6 +796,9 @@ def _group_steps(opened, groups: dict, layers: PipeLayers) -> list:
                 info = index.tensors.get(state_key("step", canonical)) if canonical else None
                 if info is None:
                     continue  # the last stage's dead copy of the tied module's other weights
+                if tuple(info.shape) != () or not info.pieces:
+                    raise UnreadableInput(f"the Adam step {info.key} is not a scalar",
+                                          path=opened.store.url)
                 value = float(opened.reader.read_piece(opened.store, info.pieces[0], info.dtype))
                 if steps[g] is None:
                     steps[g] = value

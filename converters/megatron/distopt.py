@@ -303,10 +303,16 @@ def _steps_in_groups(opened, states: list[dict]) -> None:
     keeps one step per optimizer, in its param groups. Each stored step must be that one;
     then the param groups carry them and the per-parameter tensors leave the view."""
     index = opened.index
-    steps = {float(g["step"]) for s in states for g in s["optimizer"]["param_groups"] if "step" in g}
+    try:
+        steps = {float(g["step"]) for s in states for g in s["optimizer"]["param_groups"] if "step" in g}
+    except (TypeError, ValueError, KeyError) as exc:
+        raise UnreadableInput(f"the hook's {HOOK_OBJECT} param groups hold no step ({exc})",
+                              path=opened.store.url) from None
     keys = [k for k in index.tensors if k.startswith("optimizer.state.step.")]
     for key in keys:
         info = index.tensors[key]
+        if tuple(info.shape) != () or not info.pieces:
+            raise UnreadableInput(f"the Adam step {key} is not a scalar", path=opened.store.url)
         value = opened.reader.read_piece(opened.store, info.pieces[0], info.dtype)
         if float(value) not in steps:
             raise UnreadableInput(f"{key} is {float(value)}, but the optimizer's param groups say "
