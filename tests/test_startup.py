@@ -101,3 +101,48 @@ def test_a_layout_where_a_dtype_belongs_is_refused_without_torch_too(run_root, t
         assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert "TORCH" in proc.stderr and proc.stderr.split("TORCH")[-1].split()[1] == "1"
         assert "tensor has no dtype" in proc.stdout, proc.stdout
+
+
+def _nan_checkpoints(tmp_path):
+    """A checkpoint of the hook and one of torch's own DCP writer, each with NaN and Inf in
+    fp32, bf16 and fp16 tensors beside a clean one and an integer tensor (chunks start at
+    any byte of their files: the scan reads them aligned)."""
+    import torch.distributed.checkpoint as dcp
+
+    from training import AsyncCheckpointer
+
+    gen = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(300, 7, generator=gen), "b": torch.randn(5000, generator=gen).bfloat16(),
+             "h": torch.randn(999, generator=gen).half(), "n": torch.arange(77),
+             "clean": torch.randn(64, 3, generator=gen), "step": 3}
+    state["a"][17, 3] = float("nan")
+    state["a"][299, 6] = -float("inf")
+    state["b"][4999] = float("nan")
+    state["b"][0] = float("inf")
+    state["b"][1234] = -float("nan")
+    state["h"][500] = float("inf")
+    ckpt = AsyncCheckpointer(str(tmp_path / "run"), keep_last=1)
+    ckpt.save(3, state)
+    ckpt.wait()
+    ckpt.close()
+    dcp.save(state, checkpoint_id=str(tmp_path / "foreign"))
+    return sorted((tmp_path / "run").glob("step_*"))[-1], tmp_path / "foreign"
+
+
+def test_deep_verify_counts_nan_and_inf_without_torch_as_torch_does(tmp_path):
+    """``verify --deep`` scans the stored bytes as it hashes them, without torch: the
+    findings equal those of the same command with torch loaded, and of torch's counts.
+    (Telling a foreign checkpoint's format asks every reader, some of which import torch.)"""
+    ours, foreign = _nan_checkpoints(tmp_path)
+    for path in (ours, foreign):
+        light, imported, code = _run("verify", "--deep", path, "--json")
+        assert code == 1 and (path == foreign or not imported), (path, code)
+        full, imported, code = _run("verify", "--deep", path, "--json", preload_torch=True)
+        assert code == 1 and imported
+        report = json.loads(light)
+        assert report == json.loads(full)
+        found = {p["key"]: p["message"] for p in report["problems"]}
+        assert found == {"a": "tensor holds 1 NaN and 1 Inf values (of 2100)",
+                         "b": "tensor holds 2 NaN and 1 Inf values (of 5000)",
+                         "h": "tensor holds 0 NaN and 1 Inf values (of 999)"}, (path, found)
+        assert report["pieces_read"] == 5

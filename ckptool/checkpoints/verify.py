@@ -38,6 +38,7 @@ from ckptool.core.manifest import (
     write_manifest,
 )
 from ckptool.core.regions import coverage_problems, plan_copies
+from ckptool.core.scan import FileScan, Span, float_kind
 from ckptool.core.safe_pickle import trusted
 from ckptool.core.storage import Store, is_temporary
 
@@ -54,6 +55,7 @@ class _Check:
     bad_files: set = field(default_factory=set)
     bytes_hashed: int = 0
     pieces_read: int = 0
+    scanned: set = field(default_factory=set)  # files hashed (and scanned) already
 
     def add(self, kind: str, message: str, rel: str | None = None, key: str | None = None):
         file = self.store.display(rel) if rel else None
@@ -90,19 +92,23 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
     except BadCheckpoint as exc:
         manifest = None
         check.add_error(exc, "manifest")
-    if manifest is not None:
-        _check_manifest(check, manifest, actual, strict, workers, progress)
-
     reader = converters.reader(fmt)
-    index = None
+    index = index_error = None
     try:
         index = merge_manifest(read_index(reader, store), manifest)
     except CkptoolError as exc:
+        index_error = exc
+    plan = _plan_deep(store, reader, index) if deep and index is not None else None
+    if manifest is not None:
+        _check_manifest(check, manifest, actual, strict, workers, progress,
+                        plan.scans if plan else None)
+    if index_error is not None:
         # A file the manifest already condemned may fail in any way; otherwise only a
         # bad checkpoint (or a pickle ckptool will not load) is a finding, and unreadable
         # input stays exit 2.
+        exc = index_error
         if not isinstance(exc, (BadCheckpoint, UnsafePickle)) and not check.problems:
-            raise
+            raise exc
         check.add_error(exc, "pickle" if isinstance(exc, UnsafePickle) else "metadata")
     committed: bool | None = True if manifest is not None else None
     if index is not None:
@@ -112,8 +118,8 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
                       "finished", MANIFEST)
         _check_structure(check, index, actual)
         _check_objects(check, reader, index)
-        if deep:
-            _check_deep(check, reader, index, progress, workers)
+        if plan is not None:
+            _check_deep(check, reader, index, plan, progress, workers)
         _check_pickles(check, reader)
     elif manifest is None and check.problems == []:
         committed = None
@@ -129,7 +135,8 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
 
 
 def _check_manifest(check: _Check, manifest: Manifest, actual: dict[str, int], strict: bool,
-                    workers: int, progress: Progress | None) -> None:
+                    workers: int, progress: Progress | None,
+                    scans: dict[str, FileScan] | None = None) -> None:
     to_hash = []
     for entry in manifest.files:
         size = actual.get(entry.path)
@@ -140,7 +147,9 @@ def _check_manifest(check: _Check, manifest: Manifest, actual: dict[str, int], s
             check.add("size", f"file is {what}: {size} bytes, manifest says {entry.size}", entry.path)
         else:
             to_hash.append(entry)
-    hashes = hash_files(check.store, [e.path for e in to_hash], workers=workers, progress=progress)
+    hashes = hash_files(check.store, [e.path for e in to_hash], workers=workers, progress=progress,
+                        scans=scans, sizes=actual)
+    check.scanned.update(e.path for e in to_hash)
     for entry in to_hash:
         size, digest = hashes[entry.path]
         check.bytes_hashed += size
@@ -170,9 +179,59 @@ def _check_structure(check: _Check, index: CheckpointIndex, actual: dict[str, in
             check.add("coverage", text, key=key)
 
 
-def _check_deep(check: _Check, reader: Reader, index: CheckpointIndex,
+@dataclass
+class _DeepPlan:
+    """What ``--deep`` reads. Pieces stored as plain bytes are scanned per file while the
+    files are hashed: one pass over the bytes, no torch. The rest go through the reader."""
+
+    scans: dict[str, FileScan] = field(default_factory=dict)
+    spanned: dict[str, int] = field(default_factory=dict)  # file -> pieces the scan reads
+    pieces: list = field(default_factory=list)  # (key, piece, dtype) read through the reader
+    errors: list = field(default_factory=list)  # (file, CkptoolError) found while planning
+
+
+def _plan_deep(store: Store, reader: Reader, index: CheckpointIndex) -> _DeepPlan:
+    plan, spans = _DeepPlan(), {}
+    for key, tensor in index.tensors.items():
+        kind = float_kind(tensor.dtype)
+        for piece in tensor.pieces:
+            try:
+                where = reader.raw_span(store, piece, tensor.dtype) if store.is_local else None
+            except CkptoolError as exc:
+                plan.errors.append((piece.location.file, exc))
+                continue
+            if where is None:
+                plan.pieces.append((key, piece, tensor.dtype))
+                continue
+            rel, offset = where
+            plan.spanned[rel] = plan.spanned.get(rel, 0) + 1
+            found = spans.setdefault(rel, [])
+            if kind:  # integers are read back by the pass alone: their bytes hold no NaN
+                found.append(Span(offset, piece.region.numel * tensor.dtype.itemsize, kind, key))
+    plan.scans = {rel: FileScan(found) for rel, found in spans.items()}
+    return plan
+
+
+def _check_deep(check: _Check, reader: Reader, index: CheckpointIndex, plan: _DeepPlan,
                 progress: Progress | None, workers: int = 2) -> None:
     store = check.store
+    counts: dict[str, list[int]] = {}
+    unread = [rel for rel in plan.scans if rel not in check.scanned and rel not in check.bad_files]
+    if unread:  # no manifest entry hashed them: read them for the scan alone
+        hash_files(store, unread, workers=workers, progress=progress, scans=plan.scans)
+    for rel, scan in plan.scans.items():
+        if rel in check.bad_files:  # condemned already (missing, truncated, changed)
+            continue
+        check.pieces_read += plan.spanned[rel]
+        for span in scan.spans:
+            c = counts.setdefault(span.tag, [0, 0])
+            c[0] += span.nan
+            c[1] += span.inf
+        for span in scan.unfinished():
+            check.add("size", "data file ends inside a stored piece", rel, span.tag)
+    for rel, exc in plan.errors:
+        if rel not in check.bad_files:
+            check.add_error(exc, "unreadable")
 
     def scan(item):
         key, piece, dtype = item
@@ -187,9 +246,7 @@ def _check_deep(check: _Check, reader: Reader, index: CheckpointIndex,
             nan, inf = int(torch.isnan(data).sum()), int(torch.isinf(data).sum())
         return key, None, nan, inf, data.numel() * data.element_size()
 
-    items = [(key, piece, t.dtype) for key, t in index.tensors.items() for piece in t.pieces
-             if piece.location.file not in check.bad_files]
-    counts: dict[str, list[int]] = {}
+    items = [item for item in plan.pieces if item[1].location.file not in check.bad_files]
     # Reading and scanning release the GIL: pieces go through a small thread pool, in order.
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         for key, error, nan, inf, nbytes in pool.map(scan, items):
@@ -203,7 +260,8 @@ def _check_deep(check: _Check, reader: Reader, index: CheckpointIndex,
             c[0] += nan
             c[1] += inf
     _check_replicas(check, reader, index)
-    for key, (nan, inf) in counts.items():
+    for key in index.tensors:
+        nan, inf = counts.get(key, (0, 0))
         if nan or inf:
             check.add("nonfinite", f"tensor holds {nan} NaN and {inf} Inf values "
                       f"(of {math.prod(index.tensors[key].shape)})", key=key)

@@ -27,7 +27,7 @@ from ckptool.core.index import (
 )
 from ckptool.core.lazy import lazy
 from ckptool.core.regions import Region, byte_runs
-from ckptool.core.safe_pickle import is_dtype, load_dcp_metadata, trusted
+from ckptool.core.safe_pickle import is_dtype, load_dcp_metadata, same_dtype, trusted
 from ckptool.core.storage import Store
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ class DcpContainerReader(Reader):
             return None, None
         ref = archive.obj
         shape = tuple(piece.region.local_shape)
-        if not isinstance(ref, torchfile.TensorRef) or ref.shape != shape or ref.dtype != dtype:
+        if not isinstance(ref, torchfile.TensorRef) or ref.shape != shape or not same_dtype(ref.dtype, dtype):
             got = f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, torchfile.TensorRef) else type(ref).__name__
             raise BadCheckpoint(f"stored chunk is {got}, metadata says {dtype} {list(shape)}",
                                 path=store.display(piece.location.file), key=piece.region.key)
@@ -145,6 +145,11 @@ class DcpContainerReader(Reader):
         for start, n in byte_runs(piece.region, box):  # only the overlap, straight into place
             archive.read_into(ref, start, flat[pos:pos + n])
             pos += n
+
+    def raw_span(self, store: Store, piece: Piece, dtype: torch.dtype) -> tuple[str, int] | None:
+        archive, ref = self._ref(store, piece, dtype)  # checks the chunk's shape and dtype
+        begin = archive.data_offset(ref, 0, piece.region.numel) if archive is not None else None
+        return None if begin is None else (piece.location.file, piece.location.offset + begin)
 
     def read_piece(self, store: Store, piece: Piece, dtype: torch.dtype) -> torch.Tensor:
         archive, ref = self._ref(store, piece, dtype)

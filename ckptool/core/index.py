@@ -182,6 +182,14 @@ class Reader:
         when that is not so or the format transforms what it reads."""
         return None
 
+    def raw_span(self, store: Store, piece: Piece, dtype: torch.dtype) -> tuple[str, int] | None:
+        """``(file, byte offset)`` where the whole piece is stored as its plain C-order bytes in
+        ``dtype`` (``piece.region.numel`` elements, little-endian, nothing to undo), checked
+        against what the format declares for it: exactly the bytes :meth:`read_piece` would
+        return, so that ``verify --deep`` may scan the file as it hashes it. None (the
+        default) when that is not so; raises as :meth:`read_piece` would for a bad piece."""
+        return None
+
     def read_object(self, store: Store, obj: ObjectInfo) -> Any:
         """The value of a named object. Where its pickle names a global outside the
         allowlist, an inert marker stands in the tree, and :meth:`note_unsafe` lists it."""

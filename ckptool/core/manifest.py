@@ -21,6 +21,7 @@ import xxhash
 
 from ckptool.core import VERSION
 from ckptool.core.errors import BadCheckpoint
+from ckptool.core.scan import FileScan
 from ckptool.core.storage import (
     Store,
     fsync,
@@ -33,6 +34,8 @@ MANIFEST = "ckptool.json"
 MANIFEST_VERSION = 1
 HASH = "xxh3-128"
 _BLOCK = 64 << 20
+_MAPPED_BLOCK = 4 << 20
+"""Hashing a mapped file: a block still in cache when the scan of ``verify --deep`` reads it."""
 
 
 def _creator() -> str:
@@ -233,8 +236,10 @@ def _fileno(raw) -> int | None:
         return None
 
 
-def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = None) -> tuple[int, str]:
-    """(size, xxh3-128 hex) of one file, streamed in large blocks."""
+def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = None,
+              scan: FileScan | None = None) -> tuple[int, str]:
+    """(size, xxh3-128 hex) of one file, streamed in large blocks; each block also goes
+    through ``scan`` (``verify --deep``'s NaN/Inf test) while it is in cache."""
     h = xxhash.xxh3_128()
     size = 0
     mapped = None
@@ -244,6 +249,8 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
         # read in blocks, below).
         with store.open_file(rel, "rb") as f:  # contained, a regular file
             size = os.fstat(f.fileno()).st_size
+            if scan is not None and scan.spans:  # read at the alignment the scan wants
+                return scan.read(f.fileno(), size, h.update, progress), h.hexdigest()
             try:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
             except (OSError, ValueError):
@@ -253,9 +260,11 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
                     if hasattr(m, "madvise"):
                         m.madvise(mmap.MADV_SEQUENTIAL)
                     with memoryview(m) as view:
-                        for start in range(0, size, _BLOCK):
-                            block = view[start:start + _BLOCK]
+                        for start in range(0, size, _MAPPED_BLOCK):
+                            block = view[start:start + _MAPPED_BLOCK]
                             h.update(block)
+                            if scan is not None:
+                                scan.feed(start, block)
                             if progress:
                                 progress(len(block))
                             block.release()
@@ -264,6 +273,8 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
         with store.open_file(rel, "rb", block_size=_BLOCK) as f:
             while chunk := f.read(_BLOCK):
                 h.update(chunk)
+                if scan is not None:
+                    scan.feed(size, chunk)
                 size += len(chunk)
                 if progress:
                     progress(len(chunk))
@@ -271,13 +282,24 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
 
 
 def hash_files(store: Store, rels: Iterable[str], *, workers: int = 2,
-               progress: Callable[[int], Any] | None = None) -> dict[str, tuple[int, str]]:
-    """Hash many files in parallel (xxhash releases the GIL). Missing files raise."""
+               progress: Callable[[int], Any] | None = None,
+               scans: dict[str, FileScan] | None = None,
+               sizes: dict[str, int] | None = None) -> dict[str, tuple[int, str]]:
+    """Hash many files in parallel (xxhash and the scans release the GIL), the largest
+    first where ``sizes`` are known, so that the workers finish together; ``scans`` go
+    along with their files. Missing files raise."""
     rels = list(rels)
+    scans = scans or {}
+
+    def one(rel: str) -> tuple[int, str]:
+        return hash_file(store, rel, progress, scans.get(rel))
+
     if workers <= 1 or len(rels) <= 1:
-        return {r: hash_file(store, r, progress) for r in rels}
+        return {r: one(r) for r in rels}
+    order = sorted(rels, key=lambda r: -(sizes or {}).get(r, 0))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return dict(zip(rels, pool.map(lambda r: hash_file(store, r, progress), rels)))
+        done = dict(zip(order, pool.map(one, order)))
+    return {r: done[r] for r in rels}
 
 
 def build_manifest(store: Store, fmt: str, *, files: Iterable[str] | None = None,

@@ -305,6 +305,29 @@ def is_dtype(value) -> bool:
     return isinstance(value, torch.dtype)
 
 
+def dtype_named(name: str):
+    """``torch.<name>`` as the unpickler gives dtypes: the dtype once torch is imported, else a
+    :class:`TorchName`."""
+    torch = _torch()
+    return getattr(torch, name) if torch is not None else TorchName(name)
+
+
+_DTYPE_ALIASES = {"float": "float32", "double": "float64", "half": "float16", "short": "int16",
+                  "int": "int32", "long": "int64", "cfloat": "complex64", "cdouble": "complex128"}
+
+
+def dtype_name(dtype) -> str:
+    """The canonical name of a dtype in either form (``float32`` for ``torch.float``)."""
+    name = str(dtype).removeprefix("torch.")
+    return _DTYPE_ALIASES.get(name, name)
+
+
+def same_dtype(a, b) -> bool:
+    """Whether two dtypes are the same, whichever form each was read in (torch may have been
+    imported between reading one and the other)."""
+    return a == b or (is_dtype(a) or isinstance(a, TorchName)) and dtype_name(a) == dtype_name(b)
+
+
 def _torch_size(*args):
     torch = _torch()
     return torch.Size(*args) if torch is not None else tuple(*args)
@@ -350,10 +373,23 @@ def _plain() -> dict[tuple[str, str], Any]:
         **{("pathlib", name): _path for name in
            ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")},
     }
+    return plain
+
+
+_NUMPY: dict[tuple[str, str], Any] = {}
+
+
+def _numpy_plain() -> dict[tuple[str, str], Any]:
+    """numpy's array and dtype constructors (its RNG states), imported when a pickle first
+    names numpy: most pickles never do, and the light commands should not pay for numpy."""
+    if _NUMPY:
+        return _NUMPY
+    plain: dict[tuple[str, str], Any] = {("", ""): None}  # looked once
     try:
-        import numpy as np  # lazy: optional (its RNG states are refused without it)
+        import numpy as np  # optional (its RNG states are refused without it)
     except ImportError:  # numpy's RNG states then stay refused
-        return plain
+        _NUMPY.update(plain)
+        return _NUMPY
     core = getattr(np, "_core", None) or np.core
     for mod in ("numpy._core.multiarray", "numpy.core.multiarray"):
         plain[(mod, "_reconstruct")] = core.multiarray._reconstruct
@@ -363,7 +399,8 @@ def _plain() -> dict[tuple[str, str], Any]:
     for name in dir(getattr(np, "dtypes", ())):
         if name.endswith("DType"):
             plain[("numpy.dtypes", name)] = getattr(np.dtypes, name)
-    return plain
+    _NUMPY.update(plain)  # whole at once: another thread never sees a part
+    return _NUMPY
 
 
 _PLAIN = _plain()
@@ -401,8 +438,9 @@ _RECORDS = frozenset({
 construction and state are plain data belong here."""
 
 ALLOWLIST = frozenset(_PLAIN) | _RECORDS
-"""Every global a pickle may name (plus torch's dtypes, layouts, memory formats, storage
-types and tensor rebuild functions, which the unpickler handles itself)."""
+"""Every global a pickle may name (plus numpy's array and dtype constructors, looked up
+when a pickle names numpy, and torch's dtypes, layouts, memory formats, storage types and
+tensor rebuild functions, which the unpickler handles itself)."""
 
 
 class Unpickler(pickle.Unpickler):
@@ -416,6 +454,8 @@ class Unpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         found = _PLAIN.get((module, name))
+        if found is None and module.startswith("numpy"):
+            found = _numpy_plain().get((module, name))
         if found is not None:
             if found is _torch_size and _torch() is not None:
                 return _torch().Size  # resolved once per pickle, not per call

@@ -20,13 +20,11 @@ import os
 import posixpath
 import re
 import stat
+import sys
 import threading
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
-
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from ckptool.core.errors import (
     BadCheckpoint,
@@ -36,10 +34,51 @@ from ckptool.core.errors import (
     UnreadableInput,
     UsageError,
 )
+from ckptool.core.lazy import lazy
 
 TMP_MARK = ".tmp-"
 _TMP_RE = re.compile(r"\.tmp-[0-9a-zA-Z]+$")
 _STORAGE_OPTIONS: dict[str, Any] = {}
+fsspec = lazy("fsspec", globals())  # ~0.1 s to import: local paths need it only to write
+
+
+class _LocalFS:
+    """fsspec's ``LocalFileSystem``, created on first use. Reading a local checkpoint goes
+    through ``os`` (see :class:`Store`), so the light commands (``latest``, ``verify``) never
+    import fsspec; anything else asked of the filesystem is the real one's."""
+
+    __slots__ = ("_fs",)
+
+    def __init__(self):
+        self._fs = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._fs is None:
+            from fsspec.implementations.local import LocalFileSystem
+
+            self._fs = LocalFileSystem()
+        return getattr(self._fs, name)
+
+
+def _is_local_fs(fs) -> bool:
+    if isinstance(fs, _LocalFS):
+        return True
+    local = sys.modules.get("fsspec.implementations.local")
+    return local is not None and isinstance(fs, local.LocalFileSystem)
+
+
+def _local_root(url: str) -> str | None:
+    """The absolute path of a plain local path or ``file://`` URL, as fsspec gives it; None
+    for any other URL (a protocol, a chain) and whenever storage options are set."""
+    if _STORAGE_OPTIONS or "::" in url:
+        return None
+    path = url[len("file://"):] if url.startswith("file://") else url
+    if "://" in path:
+        return None
+    path = os.path.expanduser(path)
+    if not os.path.isabs(path):
+        path = os.path.abspath(path)
+    return path.rstrip("/") or "/"
 
 
 def set_storage_options(options: dict[str, Any]) -> None:
@@ -66,7 +105,8 @@ class Store:
     """
 
     url: str
-    fs: fsspec.AbstractFileSystem = field(repr=False)
+    fs: Any = field(repr=False)
+    """An fsspec filesystem (for a local path, one created on first use)."""
     root: str = field(repr=False)
     durable: bool = field(default=True, repr=False)
     """Whether files written here are fsynced before they count as written (local files;
@@ -79,11 +119,15 @@ class Store:
     @classmethod
     def open(cls, url: str) -> "Store":
         url = str(url)
-        try:
-            fs, root = fsspec.core.url_to_fs(url, **_STORAGE_OPTIONS)
-        except (ImportError, ValueError) as exc:
-            raise UsageError(f"cannot open {url}: {exc}") from None
-        root = root.rstrip("/") or root
+        root = _local_root(url)
+        if root is not None:
+            fs = _LocalFS()
+        else:
+            try:
+                fs, root = fsspec.core.url_to_fs(url, **_STORAGE_OPTIONS)
+            except (ImportError, ValueError) as exc:
+                raise UsageError(f"cannot open {url}: {exc}") from None
+            root = root.rstrip("/") or root
         store = cls(url.rstrip("/") if len(url) > 1 else url, fs, root)
         if store.is_local:
             store.boundary = _boundary_of(root)
@@ -91,7 +135,7 @@ class Store:
 
     @property
     def is_local(self) -> bool:
-        return isinstance(self.fs, LocalFileSystem)
+        return _is_local_fs(self.fs)
 
     @property
     def name(self) -> str:
@@ -144,14 +188,23 @@ class Store:
 
     def exists(self, rel: str = "") -> bool:
         self.contained(rel)
+        if self.is_local:  # what LocalFileSystem does, without importing it
+            return os.path.exists(self.path(rel))
         return self.fs.exists(self.path(rel))
 
     def isdir(self, rel: str = "") -> bool:
         self.contained(rel)
+        if self.is_local:
+            return os.path.isdir(self.path(rel))
         return self.fs.isdir(self.path(rel))
 
     def size(self, rel: str) -> int:
         self.contained(rel)
+        if self.is_local:
+            try:
+                return os.path.getsize(self.path(rel))
+            except FileNotFoundError:
+                raise UnreadableInput("file not found", path=self.display(rel)) from None
         return int(self.fs.size(self.path(rel)))
 
     def ls(self, rel: str = "") -> list[tuple[str, bool]]:

@@ -35,6 +35,8 @@ from ckptool.core.lazy import lazy
 from ckptool.core.safe_pickle import (
     Record,
     Unpickler,
+    dtype_named,
+    is_dtype,
     record_class,
     refuse_unsafe,
     unsafe_in,
@@ -149,7 +151,7 @@ class _Unpickler(Unpickler):
         if (module, name) in _TENSOR_TYPES:
             return record_class(module, name)  # only as _rebuild_from_type_v2's new_type
         if module == "torch" and name in _STORAGE_DTYPES:
-            return getattr(torch, _STORAGE_DTYPES[name])
+            return dtype_named(_STORAGE_DTYPES[name])
         return super().find_class(module, name)
 
     def _rebuild_tensor(self, storage, offset, size, stride, *rest):
@@ -167,8 +169,8 @@ class _Unpickler(Unpickler):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise pickle.UnpicklingError(f"unknown persistent id {str(pid)[:80]}")
         _, dtype, key, _location, numel = pid
-        if not isinstance(dtype, torch.dtype):
-            dtype = torch.uint8  # an untyped storage
+        if not is_dtype(dtype):
+            dtype = dtype_named("uint8")  # an untyped storage
         if not isinstance(numel, int) or numel < 0:
             raise pickle.UnpicklingError(f"storage {str(key)[:40]} has {str(numel)[:40]} elements")
         storage = StorageRef(str(key), dtype, numel)
@@ -293,11 +295,18 @@ class TorchFile:
         contiguous tensor in a local file; None when the archive is not one (or the run
         would pass its end: reading reports that)."""
         fd = getattr(self._read, "fd", None)
+        begin = self.data_offset(ref, start, count)
+        return None if fd is None or begin is None else (fd, begin)
+
+    def data_offset(self, ref: TensorRef, start: int, count: int) -> int | None:
+        """Byte offset in the archive of ``count`` elements from flat element ``start`` of a
+        contiguous tensor, stored uncompressed; None when not so (or the run would pass the
+        archive's end)."""
         base = self._offsets.get(ref.storage.key)
-        if fd is None or base is None or not ref.contiguous:
+        if base is None or not ref.contiguous:
             return None
         begin = base + (ref.offset + start) * ref.dtype.itemsize
-        return (fd, begin) if begin + count * ref.dtype.itemsize <= self._size else None
+        return begin if begin + count * ref.dtype.itemsize <= self._size else None
 
     def read_elements(self, ref: TensorRef, start: int, count: int) -> torch.Tensor:
         """``count`` elements from flat element ``start`` of a contiguous tensor."""

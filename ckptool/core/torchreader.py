@@ -21,6 +21,7 @@ from ckptool.core.errors import BadCheckpoint
 from ckptool.core.index import Piece, Reader
 from ckptool.core.manifest import HashingWriter
 from ckptool.core.regions import byte_runs
+from ckptool.core.safe_pickle import same_dtype
 from ckptool.core.storage import Store
 from ckptool.core.torchfile import TensorRef, TorchFile
 
@@ -62,17 +63,29 @@ class TorchFileReader(Reader):
         runs = [(offset + start, n) for start, n in byte_runs(piece.region, box)]
         return archive.read_runs(ref, runs).view(box[1])
 
+    def _plain(self) -> bool:
+        """Reading is this class's plain byte copy: a subclass that reads otherwise (a
+        conversion, a reorder) must not be bypassed."""
+        return all(getattr(type(self), m) is getattr(TorchFileReader, m)
+                   for m in ("read_box_into", "read_box", "read_piece"))
+
+    def raw_span(self, store: Store, piece: Piece, dtype: torch.dtype) -> tuple[str, int] | None:
+        if not self._plain():
+            return None
+        archive, ref, offset = self._ref(store, piece)
+        if not same_dtype(ref.dtype, dtype):
+            return None
+        begin = archive.data_offset(ref, offset, piece.region.numel)
+        return None if begin is None else (piece.location.file, begin)
+
     def file_span(self, store: Store, piece: Piece, dtype: torch.dtype, box) -> tuple[int, int] | None:
-        # only where reading is this class's plain byte copy: a subclass that reads otherwise
-        # (a conversion, a reorder) must not be bypassed
-        if any(getattr(type(self), m) is not getattr(TorchFileReader, m)
-               for m in ("read_box_into", "read_box", "read_piece")):
+        if not self._plain():
             return None
         runs = byte_runs(piece.region, box)
         if len(runs) != 1:
             return None
         archive, ref, offset = self._ref(store, piece)
-        if ref.dtype != dtype:
+        if not same_dtype(ref.dtype, dtype):
             return None
         return archive.span(ref, offset + runs[0][0], runs[0][1])
 

@@ -1,0 +1,202 @@
+"""NaN/Inf scans of stored bytes at memory speed, without torch and without temporaries.
+
+A float is NaN or Inf exactly when its bits, sign cleared, are at least the exponent
+mask (``0x7F800000`` for fp32, ``0x7F80`` for bf16, ``0x7C00`` for fp16, ...). Those
+values sit at the top of both integer readings of the same bytes: a positive NaN/Inf is
+a signed integer ``>= mask``, a negative one an unsigned integer ``>= sign | mask``, and no
+finite value reaches either. So two integer maxima of a block (SIMD reductions that make
+no copy) tell whether it holds any; only a block that does is counted exactly. bf16 and
+fp16 are scanned so, as 16-bit integers, never upcast. fp32 and fp64 take one BLAS dot
+product of the block with itself instead (faster still): it is finite unless an element
+is not, or the sum of squares overflows, which the exact count then sorts out.
+
+:class:`FileScan` applies this to byte ranges of one file as its blocks stream past (the
+hashing pass of :func:`ckptool.core.manifest.hash_file` feeds it), so ``verify --deep``
+reads every byte once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ckptool.core.lazy import lazy
+
+np = lazy("numpy", globals(), "np")
+
+_SUB = 1 << 20
+"""Bytes scanned per reduction: small enough to stay in cache after the hash read them."""
+_BLOCK = 2 << 20
+"""Bytes read per call when a file is read for a scan."""
+_ALIGN = 64
+
+# dtype name -> (bytes per element, mask of the "not finite" values, whether Inf exists)
+_FLOATS: dict[str, tuple[int, int, bool]] = {
+    "float64": (8, 0x7FF0_0000_0000_0000, True),
+    "float32": (4, 0x7F80_0000, True),
+    "bfloat16": (2, 0x7F80, True),
+    "float16": (2, 0x7C00, True),
+    "float8_e5m2": (1, 0x7C, True),
+    "float8_e4m3fn": (1, 0x7F, False),  # no Inf; NaN is S.1111.111
+}
+_ALIASES = {"float": "float32", "double": "float64", "half": "float16"}
+
+
+def float_kind(dtype: Any) -> str | None:
+    """The name under which :func:`nonfinite` scans ``dtype`` (a ``torch.dtype`` or a name read
+    without torch); None for dtypes that hold no NaN (integers) or that it cannot scan (complex,
+    the ``fnuz`` fp8 kinds, whose NaN is the negative-zero pattern)."""
+    name = str(dtype).removeprefix("torch.")
+    name = _ALIASES.get(name, name)
+    return name if name in _FLOATS else None
+
+
+_SCRATCH = threading.local()
+
+
+def _views(data, kind: str):
+    """Unsigned and signed views of ``data``, first copied to an aligned scratch block when it
+    is not aligned (a DCP chunk starts anywhere in its file; unaligned SIMD and BLAS are slow)."""
+    size = _FLOATS[kind][0]
+    raw = np.frombuffer(data, dtype=np.uint8)
+    if raw.__array_interface__["data"][0] % size:
+        scratch = getattr(_SCRATCH, "block", None)
+        if scratch is None:
+            scratch = _SCRATCH.block = np.empty(_SUB, dtype=np.uint8)
+        np.copyto(scratch[:raw.size], raw)
+        raw = scratch[:raw.size]
+    return raw.view(f"<u{size}"), raw.view(f"<i{size}")
+
+
+def nonfinite(data, kind: str) -> tuple[int, int]:
+    """(NaN count, Inf count) of the little-endian elements of ``kind`` in buffer ``data``
+    (whole elements). Costs one or two reductions per MiB unless the block holds some."""
+    nan = inf = 0
+    view = memoryview(data).cast("B")
+    with np.errstate(over="ignore", invalid="ignore"):  # what the dot gives is looked at
+        for start in range(0, len(view), _SUB):
+            block = view[start:start + _SUB]
+            n, i = _block_nonfinite(block, kind)
+            nan, inf = nan + n, inf + i
+            block.release()
+    view.release()
+    return nan, inf
+
+
+def _block_nonfinite(block, kind: str) -> tuple[int, int]:
+    size, mask, has_inf = _FLOATS[kind]
+    sign = 1 << (8 * size - 1)
+    unsigned, signed = _views(block, kind)
+    if size >= 4:  # one BLAS pass: x.x is finite unless some x is not (or the sum overflows)
+        floats = signed.view(f"<f{size}")
+        hit = not math.isfinite(float(np.dot(floats, floats)))
+    else:
+        hit = int(unsigned.max()) >= sign | mask or int(signed.max()) >= mask
+    if not hit:
+        return 0, 0
+    bits = unsigned & (sign - 1)  # a temporary of one block, only where there is a hit
+    beyond = int(np.count_nonzero(bits >= mask))
+    inf = int(np.count_nonzero(bits == mask)) if has_inf else 0
+    return beyond - inf, inf
+
+
+@dataclass
+class Span:
+    """Bytes ``[offset, offset + nbytes)`` of a file holding elements of ``kind``; ``tag``
+    names what they belong to (a tensor key)."""
+
+    offset: int
+    nbytes: int
+    kind: str
+    tag: Any
+    nan: int = 0
+    inf: int = 0
+    seen: int = 0
+    _carry: bytes = field(default=b"", repr=False)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+class FileScan:
+    """Scans the spans of one file as its bytes arrive in order (``feed(position, block)``);
+    an element split between two blocks is carried over."""
+
+    def __init__(self, spans: list[Span]):
+        self.spans = sorted(spans, key=lambda s: s.offset)
+        self._first = 0  # spans before it are finished
+
+    def feed(self, pos: int, block) -> None:
+        end = pos + len(block)
+        spans = self.spans
+        while self._first < len(spans) and spans[self._first].end <= pos:
+            self._first += 1
+        for span in spans[self._first:]:
+            if span.offset >= end:
+                break
+            lo, hi = max(span.offset, pos), min(span.end, end)
+            if hi > lo:
+                self._scan(span, block[lo - pos:hi - pos])
+
+    @staticmethod
+    def _scan(span: Span, data) -> None:
+        size = _FLOATS[span.kind][0]
+        if span._carry:  # complete the element the last block split
+            need = size - len(span._carry)
+            span._carry += bytes(data[:need])
+            data = data[need:]
+            if len(span._carry) == size:
+                _add(span, nonfinite(span._carry, span.kind))
+                span.seen += size
+                span._carry = b""
+        whole = len(data) - len(data) % size
+        if whole:
+            _add(span, nonfinite(data[:whole], span.kind))
+            span.seen += whole
+        if whole < len(data):
+            span._carry += bytes(data[whole:])
+
+    def read(self, fd: int, size: int, update: Callable[[Any], Any],
+             progress: Callable[[int], Any] | None = None) -> int:
+        """Read the whole file ``fd`` (``size`` bytes) in order, giving each block to ``update``
+        (the hash) and to :meth:`feed`. Each span's bytes land in the buffer at the alignment
+        of its elements, so the scan works in place, with no aligning copy (a DCP chunk starts
+        anywhere in its file). Returns the bytes read (less than ``size`` if it shrank)."""
+        cuts = sorted({0, size, *(min(s.offset, size) for s in self.spans),
+                       *(min(s.end, size) for s in self.spans)})
+        store = np.empty(_BLOCK + _ALIGN, dtype=np.uint8)
+        base = store.__array_interface__["data"][0]
+        buf = memoryview(store)
+        done = 0
+        for start, end in zip(cuts, cuts[1:]):
+            pos = start
+            while pos < end:
+                shift = (pos - base) % _ALIGN  # buffer offset at which pos is aligned
+                n = min(end - pos, _BLOCK)
+                got = os.preadv(fd, [buf[shift:shift + n]], pos)
+                if got <= 0:
+                    buf.release()
+                    return done
+                block = buf[shift:shift + got]
+                update(block)
+                self.feed(pos, block)
+                block.release()
+                if progress:
+                    progress(got)
+                pos += got
+                done += got
+        buf.release()
+        return done
+
+    def unfinished(self) -> list[Span]:
+        """Spans the file did not hold to their end (a file shorter than its metadata)."""
+        return [s for s in self.spans if s.seen < s.nbytes]
+
+
+def _add(span: Span, counts: tuple[int, int]) -> None:
+    span.nan += counts[0]
+    span.inf += counts[1]

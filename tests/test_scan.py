@@ -1,0 +1,91 @@
+"""The NaN/Inf scan of raw bytes (``ckptool.core.scan``) against torch's own isnan/isinf:
+every bit pattern of the 8- and 16-bit floats, boundaries and random patterns of the wider
+ones, and elements split between the blocks of a file pass."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ckptool.core.scan import FileScan, Span, float_kind, nonfinite
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2,
+          torch.float8_e4m3fn]
+_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def _patterns(dtype: torch.dtype, n: int = 20000) -> torch.Tensor:
+    """Every bit pattern (8/16-bit) or boundary and random patterns (32/64-bit), as ``dtype``."""
+    size = dtype.itemsize
+    bits = 8 * size
+    if bits <= 16:
+        values = list(range(-(1 << (bits - 1)), 1 << (bits - 1)))
+    else:
+        rng = random.Random(bits)
+        exp = {4: (8, 23), 8: (11, 52)}[size]
+        top = ((1 << exp[0]) - 1) << exp[1]  # exponent all ones
+        edges = [0, 1, top - 1, top, top + 1, top | ((1 << exp[1]) - 1), (1 << (bits - 1)) - 1]
+        values = [v for e in edges for v in (e, e | (1 << (bits - 1)))]
+        values += [rng.getrandbits(bits) for _ in range(n)]
+        values = [v - (1 << bits) if v >= 1 << (bits - 1) else v for v in values]
+    return torch.tensor(values, dtype=_INT[size]).view(dtype)
+
+
+def _expected(t: torch.Tensor) -> tuple[int, int]:
+    wide = t.float() if t.dtype.itemsize == 1 else t
+    return int(torch.isnan(wide).sum()), int(torch.isinf(wide).sum())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_counts_equal_torch_for_every_pattern(dtype):
+    t = _patterns(dtype)
+    kind = float_kind(dtype)
+    assert kind is not None
+    nan, inf = _expected(t)
+    assert nan > 0 and (inf > 0 or dtype == torch.float8_e4m3fn)  # the test can fail
+    assert nonfinite(t.view(torch.uint8).numpy().tobytes(), kind) == (nan, inf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_finite_extremes_are_finite(dtype):
+    info = torch.finfo(dtype)
+    t = torch.tensor([info.max, -info.max, info.tiny, -info.tiny, 0.0, -0.0], dtype=dtype)
+    assert nonfinite(t.view(torch.uint8).numpy().tobytes(), float_kind(dtype)) == (0, 0)
+
+
+def test_dtypes_it_cannot_scan_are_named_none():
+    assert float_kind(torch.int64) is None and float_kind(torch.complex64) is None
+    assert float_kind(torch.float8_e4m3fnuz) is None  # NaN is -0's pattern: read by torch
+    assert float_kind("torch.half") == "float16"  # a name read without torch
+
+
+def test_a_file_pass_splits_elements_between_blocks_and_finds_each_value():
+    rng = random.Random(0)
+    parts, spans, expect, pos = [], [], {}, 3  # odd start: elements cross block boundaries
+    parts.append(b"\x00" * pos)
+    for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float64, torch.float16] * 3):
+        t = torch.randn(rng.randrange(1, 5000)).to(dtype)
+        for _ in range(rng.randrange(0, 4)):
+            t[rng.randrange(t.numel())] = rng.choice([float("nan"), float("inf"), -float("inf")])
+        raw = t.view(torch.uint8).numpy().tobytes()
+        spans.append(Span(pos, len(raw), float_kind(dtype), f"t{i}"))
+        expect[f"t{i}"] = _expected(t)
+        gap = rng.randrange(0, 9)
+        parts.append(raw + b"\xff" * gap)  # NaN-looking bytes between spans are not counted
+        pos += len(raw) + gap
+    data = b"".join(parts)
+    assert sum(n for n, _ in expect.values()) > 0
+    for block in (1, 7, 4096, len(data)):
+        scan = FileScan([Span(s.offset, s.nbytes, s.kind, s.tag) for s in spans])
+        for start in range(0, len(data), block):
+            scan.feed(start, memoryview(data)[start:start + block])
+        assert {s.tag: (s.nan, s.inf) for s in scan.spans} == expect, block
+        assert scan.unfinished() == []
+
+
+def test_a_file_shorter_than_its_spans_leaves_them_unfinished():
+    scan = FileScan([Span(0, 8, "float32", "a"), Span(8, 8, "float32", "b")])
+    scan.feed(0, b"\x00" * 10)
+    assert [s.tag for s in scan.unfinished()] == ["b"]
