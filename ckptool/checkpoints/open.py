@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import converters
 from ckptool.core.errors import CkptoolError, UnknownFormat
+from ckptool.core.gcpause import paused_gc
 from ckptool.core.index import CheckpointIndex, Reader
 from ckptool.core.manifest import MANIFEST, Manifest, read_manifest
 from ckptool.core.safe_pickle import trusted
@@ -173,7 +174,8 @@ def read_index(reader: Reader, store: Store) -> CheckpointIndex:
     """``reader.read_index(store)``; when it fails where a pickle was refused (an ``args``
     that is a call of ``os.system`` is no Namespace), the refused pickle is the error."""
     try:
-        return reader.read_index(store)
+        with paused_gc():  # millions of acyclic objects for a large .metadata
+            return reader.read_index(store)
     except CkptoolError:
         found = [] if trusted() else reader.unsafe_pickles()
         if found:

@@ -23,6 +23,7 @@ from ckptool.checkpoints.open import (
 )
 from ckptool.core.engine import bytes_read
 from ckptool.core.errors import UnsupportedFormat, UsageError
+from ckptool.core.gcpause import paused_gc
 from ckptool.core.layout import check as check_layout
 from ckptool.core.optimizer import FreshReader, fresh_state, is_optimizer_key, state_key
 from ckptool.ops.write import WriteJob, write_output
@@ -199,8 +200,10 @@ def rewrite(opened: Opened, dst: str, fmt: str, options: RewriteOptions,
     spec = writer.target_spec(index, source_topo, target_topo, options.true_vocab_size)
     if spec is not None:
         check_layout(spec, target_topo)
-    plan = writer.plan(index, target_topo, spec, schema=options.names or writer.source_schema(opened),
-                       with_optimizer=not options.drop_optimizer)
+    with paused_gc():  # a target region and its sources per chunk: many acyclic objects
+        plan = writer.plan(index, target_topo, spec,
+                           schema=options.names or writer.source_schema(opened),
+                           with_optimizer=not options.drop_optimizer)
     weights_only = options.drop_optimizer or not writer.holds_optimizer
     _refuse_unwritten(index, plan, fmt, weights_only)
     dropped_tensors = sum(is_optimizer_key(k) for k in index.tensors) if weights_only else 0
