@@ -19,6 +19,7 @@ is checked on its structure and reported as unsealed; ``seal=True`` then writes 
 from __future__ import annotations
 
 import math
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -99,6 +100,14 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
     except CkptoolError as exc:
         index_error = exc
     plan = _plan_deep(store, reader, index) if deep and index is not None else None
+    if plan is not None and _needs_torch(plan, index) and "torch" not in sys.modules:
+        # Pieces the scan cannot read in place are read as tensors: read the index again
+        # with torch loaded, so that its dtypes (and the reader's archives) are torch's.
+        import torch  # noqa: F401
+
+        reader = converters.reader(fmt)
+        index = merge_manifest(read_index(reader, store), manifest)
+        plan = _plan_deep(store, reader, index)
     if manifest is not None:
         _check_manifest(check, manifest, actual, strict, workers, progress,
                         plan.scans if plan else None)
@@ -210,6 +219,10 @@ def _plan_deep(store: Store, reader: Reader, index: CheckpointIndex) -> _DeepPla
                 found.append(Span(offset, piece.region.numel * tensor.dtype.itemsize, kind, key))
     plan.scans = {rel: FileScan(found) for rel, found in spans.items()}
     return plan
+
+
+def _needs_torch(plan: _DeepPlan, index: CheckpointIndex) -> bool:
+    return bool(plan.pieces) or any(t.replicas for t in index.tensors.values())
 
 
 def _check_deep(check: _Check, reader: Reader, index: CheckpointIndex, plan: _DeepPlan,

@@ -322,6 +322,16 @@ def dtype_name(dtype) -> str:
     return _DTYPE_ALIASES.get(name, name)
 
 
+def as_torch(dtype):
+    """A dtype read as a :class:`TorchName` is torch's own once torch is imported (the archive
+    was opened before, by a light command that went on to read tensors)."""
+    if isinstance(dtype, TorchName):
+        torch = _torch()
+        if torch is not None:
+            return getattr(torch, dtype.name)
+    return dtype
+
+
 def same_dtype(a, b) -> bool:
     """Whether two dtypes are the same, whichever form each was read in (torch may have been
     imported between reading one and the other)."""

@@ -12,17 +12,32 @@ import math
 import struct
 from dataclasses import dataclass
 
-import torch
-
 from ckptool.core.errors import BadCheckpoint
+from ckptool.core.lazy import lazy
 
-DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+torch = lazy("torch", globals())
+
+_CODES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }
-NAMES = {v: k for k, v in DTYPES.items()}
+"""safetensors dtype codes by torch dtype name (torch is imported when a header is read)."""
+_BY_NAME = {v: k for k, v in _CODES.items()}
+
+
+def dtype_of(code) -> torch.dtype | None:
+    """The torch dtype of a safetensors dtype code; None for a code it does not know."""
+    name = _CODES.get(code) if isinstance(code, str) else None
+    return getattr(torch, name) if name else None
+
+
+def code_of(dtype) -> str:
+    """The safetensors dtype code of a torch dtype (KeyError for one it has none for)."""
+    return _BY_NAME[str(dtype).removeprefix("torch.")]
+
+
 _MAX_HEADER = 100 << 20
 
 
@@ -72,7 +87,7 @@ def parse_header(read, source: str, base: int = 0, size: int | None = None
 
 def _entry(name: str, info, data_start: int, source: str) -> Entry:
     try:
-        dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        dtype = dtype_of(info["dtype"])
         shape = tuple(info["shape"])
         begin, end = info["data_offsets"]
     except (TypeError, KeyError, ValueError):

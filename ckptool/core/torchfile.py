@@ -35,6 +35,7 @@ from ckptool.core.lazy import lazy
 from ckptool.core.safe_pickle import (
     Record,
     Unpickler,
+    as_torch,
     dtype_named,
     is_dtype,
     record_class,
@@ -82,7 +83,7 @@ class TensorRef:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.storage.dtype
+        return as_torch(self.storage.dtype)
 
     @property
     def numel(self) -> int:

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ckptool.core import torchfile
 from ckptool.core.engine import Producer
 from ckptool.core.errors import BadCheckpoint
 from ckptool.core.index import Piece, Reader
+from ckptool.core.lazy import lazy
 from ckptool.core.manifest import HashingWriter
 from ckptool.core.regions import byte_runs
 from ckptool.core.safe_pickle import same_dtype
 from ckptool.core.storage import Store
 from ckptool.core.torchfile import TensorRef, TorchFile
+
+torch = lazy("torch", globals())
 
 
 class TorchFileReader(Reader):

@@ -117,6 +117,7 @@ def reshard(src: str, dst: str, opts: RewriteOptions | None = None, *,
     ``options.to``; ``options.expect`` holds assertions about the source topology. Keyword
     arguments build the options (``reshard(src, dst, to={"dp": 2})``)."""
     options = RewriteOptions.of(opts, **given)
+    _load_torch()
     opened = open_checkpoint(src)
     if not converters.reshardable(opened.format):
         raise UnsupportedFormat(f"reshard of {opened.format} checkpoints is not implemented yet",
@@ -143,6 +144,7 @@ def convert(src: str, dst: str, opts: RewriteOptions | None = None, *, to_format
     zero moments, step 0) where the target format holds one; never done unasked.
     """
     options = RewriteOptions.of(opts, **given)
+    _load_torch()
     store = resolve(src)
     source_format = converters.require_format(store)
     reads_family = hasattr(converters.reader_class(source_format), "model_family")
@@ -155,6 +157,12 @@ def convert(src: str, dst: str, opts: RewriteOptions | None = None, *, to_format
     opened = open_checkpoint(store, model_family=family if reads_family else None,
                              model_config=options.model_config)
     return rewrite(opened, dst, to_format, options, progress)
+
+
+def _load_torch() -> None:
+    """Rewriting moves tensors: torch is loaded before the source is read, so that every dtype
+    read from it is torch's own (the light commands read them as names, without torch)."""
+    import torch  # noqa: F401
 
 
 def rewrite(opened: Opened, dst: str, fmt: str, options: RewriteOptions,

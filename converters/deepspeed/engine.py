@@ -34,8 +34,6 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import (
     BadCheckpoint,
@@ -45,6 +43,7 @@ from ckptool.core.errors import (
     UsageError,
 )
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
+from ckptool.core.lazy import lazy
 from ckptool.core.optimizer import FreshState, no_decay, state_key
 from ckptool.core.regions import Region, Shard
 from ckptool.core.safe_pickle import record_class
@@ -89,6 +88,8 @@ from converters.deepspeed.zero import (
     zero_stage,
 )
 from converters.schemas.hf import CONFIG
+
+torch = lazy("torch", globals())
 
 NAME = "deepspeed"
 LATEST = "latest"

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import json
 
-import torch
-
 from ckptool.core.errors import TopologyError, UsageError
 from ckptool.core.index import CheckpointIndex
+from ckptool.core.lazy import lazy
 from ckptool.core.optimizer import FreshState, decay_groups
 from ckptool.core.topology import Topology
 from converters.deepspeed.engine import DeepSpeedWriter, _loss_scaler
 from converters.deepspeed.zero import Layout
 from converters.schemas.hf import HfModel, spec_from_config, tied_aliases
+
+torch = lazy("torch", globals())
 
 
 class HfModelWriter(DeepSpeedWriter):

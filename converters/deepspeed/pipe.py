@@ -49,8 +49,6 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import torch
-
 from ckptool.core import VERSION
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import (
@@ -61,6 +59,7 @@ from ckptool.core.errors import (
 )
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
 from ckptool.core.layout import WORD_EMBEDDINGS, check, split
+from ckptool.core.lazy import lazy
 from ckptool.core.optimizer import ParamGroups, state_key
 from ckptool.core.regions import Shard, flat_regions
 from ckptool.core.safe_pickle import record_class
@@ -91,6 +90,8 @@ from converters.schemas.megatron_args import (
     update_args,
 )
 from converters.schemas.megatron_ranks import add_piece, check_legacy_schema
+
+torch = lazy("torch", globals())
 
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 MP_FILE = "mp_rank_{:02d}_model_states.pt"

@@ -39,8 +39,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ckptool.core import VERSION
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import (
@@ -50,6 +48,7 @@ from ckptool.core.errors import (
     UsageError,
 )
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
+from ckptool.core.lazy import lazy
 from ckptool.core.optimizer import state_key
 from ckptool.core.regions import Region, Shard
 from ckptool.core.storage import Store, pointed_dir
@@ -68,6 +67,8 @@ from converters.deepspeed.zero import (
     zero3_partition,
 )
 from converters.schemas.hf import CONFIG
+
+torch = lazy("torch", globals())
 
 NAME = "deepspeed-universal"
 LATEST_UNIVERSAL = "latest_universal"

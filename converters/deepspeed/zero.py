@@ -24,11 +24,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
 from ckptool.core import VERSION
 from ckptool.core.errors import BadCheckpoint, TopologyError, UnreadableInput
 from ckptool.core.index import CheckpointIndex, Location, Piece, TensorInfo
+from ckptool.core.lazy import lazy
 from ckptool.core.optimizer import ParamGroups, state_key, torch_state_dict
 from ckptool.core.regions import Region, Shard
 from ckptool.core.storage import Store
@@ -36,6 +35,8 @@ from ckptool.core.topology import Topology
 from ckptool.core.torchfile import TensorRef
 from ckptool.core.torchreader import TorchFileReader
 from converters.schemas.hf import CONFIG, known_family, named_view, stored_view
+
+torch = lazy("torch", globals())
 
 MARK = "ckptool"
 MOMENTS = ("exp_avg", "exp_avg_sq")

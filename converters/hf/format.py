@@ -18,8 +18,6 @@ import math
 import threading
 from dataclasses import asdict
 
-import torch
-
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
 from ckptool.core.index import (
@@ -31,10 +29,11 @@ from ckptool.core.index import (
     Writer,
 )
 from ckptool.core.layout import ModelSpec, model_spec
+from ckptool.core.lazy import lazy
 from ckptool.core.manifest import HashingWriter
 from ckptool.core.optimizer import state_shard
 from ckptool.core.regions import Region, Shard
-from ckptool.core.stfile import NAMES as ST_DTYPES
+from ckptool.core.stfile import code_of
 from ckptool.core.stfile import parse_header
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
@@ -50,12 +49,15 @@ from converters.schemas.hf import (
     spec_from_config,
 )
 
+torch = lazy("torch", globals())
+
 NAME = "hf"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 WEIGHT_FILES = (SINGLE, INDEX, "pytorch_model.bin", "pytorch_model.bin.index.json")
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}
+"""``--dtype`` spellings by torch dtype name."""
 
 
 # --------------------------------------------------------------------------- reading
@@ -199,7 +201,7 @@ class HfWriter(Writer):
         if max_shard_size:
             self.max_shard_size = int(max_shard_size)
         if dtype:
-            self.dtype = DTYPES[dtype]
+            self.dtype = getattr(torch, DTYPES[dtype])
         self.model_family = model_family
 
     def target_spec(self, index: CheckpointIndex, source: Topology, target: Topology,
@@ -260,7 +262,7 @@ class HfWriter(Writer):
         header, at = {"__metadata__": {"format": "pt"}}, 0
         for t in target.tensors:
             n = math.prod(t.name.stored_shape) * self._dtype.itemsize
-            header[t.name.name] = {"dtype": ST_DTYPES[self._dtype], "shape": list(t.name.stored_shape),
+            header[t.name.name] = {"dtype": code_of(self._dtype), "shape": list(t.name.stored_shape),
                                    "data_offsets": [at, at + n]}
             at += n
         raw = json.dumps(header, separators=(",", ":")).encode()

@@ -27,8 +27,6 @@ import io
 import json
 from dataclasses import dataclass, replace
 
-import torch
-
 from ckptool.core import optimizer as canon
 from ckptool.core import torchfile
 from ckptool.core.dcpfile import METADATA, DcpContainerReader
@@ -37,6 +35,7 @@ from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, UnsupportedFormat
 from ckptool.core.index import CheckpointIndex, Piece, TensorInfo, Writer
 from ckptool.core.layout import VOCAB, ModelSpec, layout
+from ckptool.core.lazy import lazy
 from ckptool.core.regions import Shard
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
@@ -63,6 +62,8 @@ from converters.schemas.megatron_args import (
     source_dtype,
     update_args,
 )
+
+torch = lazy("torch", globals())
 
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
                        "mlp.linear_fc2")

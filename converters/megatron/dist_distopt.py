@@ -36,15 +36,16 @@ import copy
 import re
 from dataclasses import replace
 
-import torch
-
 from ckptool.core import optimizer as canon
 from ckptool.core.errors import UnreadableInput
 from ckptool.core.index import CheckpointIndex, Location, Piece, TensorInfo
 from ckptool.core.layout import ModelSpec
+from ckptool.core.lazy import lazy
 from ckptool.core.regions import Region
 from converters.megatron import distopt
 from converters.schemas.megatron_args import source_dtype
+
+torch = lazy("torch", globals())
 
 DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
 WRITTEN = FULLY_RESHARDABLE

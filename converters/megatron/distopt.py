@@ -47,13 +47,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable
 
-import torch
-
 from ckptool.core.errors import UnreadableInput
 from ckptool.core.layout import WORD_EMBEDDINGS, LocalTensor, ModelSpec, expert_of, stage_layers
 from ckptool.core.layout import layout as model_layout
+from ckptool.core.lazy import lazy
 from ckptool.core.topology import Topology
 from converters.schemas.megatron import SCHEMAS, parameter_order
+
+torch = lazy("torch", globals())
 
 ALIGN = 64
 """Parameter starts are padded to this many elements from their bucket's start."""

@@ -24,14 +24,13 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-import torch
-
 from ckptool.core import VERSION
 from ckptool.core import optimizer as canon
 from ckptool.core.engine import TargetFile, TargetTensor
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
 from ckptool.core.index import CheckpointIndex, ObjectInfo, Writer
 from ckptool.core.layout import ModelSpec, expert_of, expert_tp_rank, local_experts, stage_layers
+from ckptool.core.lazy import lazy
 from ckptool.core.regions import Shard
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
@@ -59,6 +58,8 @@ from converters.schemas.megatron_args import (
 )
 from converters.schemas.megatron_ranks import add_piece as _add_piece
 from converters.schemas.megatron_ranks import check_legacy_schema as _check_schema
+
+torch = lazy("torch", globals())
 
 EXTRA = "_extra_state"
 MODEL_PATH = "@model"

@@ -27,10 +27,9 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ckptool.core.errors import UnreadableInput, UsageError
 from ckptool.core.layout import expert_of
+from ckptool.core.lazy import lazy
 from ckptool.core.optimizer import (
     KINDS,
     PREFIX,
@@ -40,6 +39,8 @@ from ckptool.core.optimizer import (
     state_key,
     torch_state_dict,
 )
+
+torch = lazy("torch", globals())
 
 COMMON_STEP = "common_step"
 """Where ``sharded_state_dict`` keeps the step shared by every parameter."""

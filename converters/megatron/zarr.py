@@ -33,8 +33,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UnsupportedFormat
 from ckptool.core.index import (
     CheckpointIndex,
@@ -44,6 +42,7 @@ from ckptool.core.index import (
     Reader,
     TensorInfo,
 )
+from ckptool.core.lazy import lazy
 from ckptool.core.regions import Region, byte_runs
 from ckptool.core.storage import Store
 from ckptool.core.torchfile import TorchFile
@@ -60,15 +59,18 @@ from converters.megatron.common import (
     split_layers,
 )
 
+torch = lazy("torch", globals())
+
 NAME = "megatron-zarr"
 BACKEND = "zarr"
 ZARRAY = ".zarray"
 _SHARD = re.compile(r"^shard_([\d.]*)_([\d.]*)\.pt$")
 _DTYPES = {
-    "bfloat16": torch.bfloat16, "<f2": torch.float16, "<f4": torch.float32, "<f8": torch.float64,
-    "|b1": torch.bool, "|u1": torch.uint8, "|i1": torch.int8, "<i2": torch.int16,
-    "<i4": torch.int32, "<i8": torch.int64, "<c8": torch.complex64, "<c16": torch.complex128,
+    "bfloat16": "bfloat16", "<f2": "float16", "<f4": "float32", "<f8": "float64",
+    "|b1": "bool", "|u1": "uint8", "|i1": "int8", "<i2": "int16",
+    "<i4": "int32", "<i8": "int64", "<c8": "complex64", "<c16": "complex128",
 }
+"""zarr dtype strings by torch dtype name."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +229,8 @@ def _read_zarray(store: Store, rel: str) -> tuple[tuple[int, ...], torch.dtype, 
     if len(chunks) != len(shape) or any(c < 1 for c in chunks) or order not in ("C", "F"):
         raise BadCheckpoint(f"zarr array has chunks {list(chunks)} for shape {list(shape)}, "
                             f"order {order!r}", path=source)
-    dtype = _DTYPES.get(re.sub(r"^[<>]([biu]1)$", r"|\1", str(dtype_str)))
+    name = _DTYPES.get(re.sub(r"^[<>]([biu]1)$", r"|\1", str(dtype_str)))
+    dtype = getattr(torch, name) if name else None
     if dtype is None:
         raise UnsupportedFormat(f"zarr dtype {dtype_str!r} is not read", path=source)
     codecs = list(meta.get("filters") or [])

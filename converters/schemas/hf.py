@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-import torch
-
 from ckptool.core.errors import UnreadableInput, UsageError
 from ckptool.core.index import CheckpointIndex
 from ckptool.core.layout import ModelSpec
+from ckptool.core.lazy import lazy
 from ckptool.core.view import Entry as HfTensor
 from ckptool.core.view import remap
 from converters.schemas.families import FAMILIES as TABLES
 from converters.schemas.families import FEATURES, Family
+
+torch = lazy("torch", globals())
 
 CONFIG = "config.json"
 
