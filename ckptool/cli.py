@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from ckptool.core import VERSION
+from ckptool.core import VERSION, progress
 from ckptool.core.errors import CkptoolError, NoCheckpoint, UsageError
 
 
@@ -29,6 +29,8 @@ class Output:
         self.as_json = as_json
         # Under torchrun only rank 0 speaks.
         self.quiet = quiet or int(os.environ.get("RANK", "0") or 0) > 0
+        if not self.quiet:  # long metadata steps say how far they are, on stderr
+            progress.enable()
 
     def progress(self, total, desc: str):
         """A tqdm bar on stderr for a human at a terminal, else None. ``total()`` gives bytes."""
@@ -552,6 +554,8 @@ def main(argv: list[str] | None = None) -> None:
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
         click.echo(f"ckptool: error: {exc.strerror or exc}{where}", err=True)
         sys.exit(2)
+    finally:
+        progress.disable()  # a command's setting, not the process's (main runs in tests too)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING, Any
 
+from ckptool.core import progress
 from ckptool.core.errors import BadCheckpoint, CkptoolError, UnreadableInput
 from ckptool.core.index import (
     CheckpointIndex,
@@ -56,7 +57,20 @@ class DcpContainerReader(Reader):
         by_fqn: dict[tuple[str, tuple | None], Any] = {}
         spans: dict[str, list[tuple[int, int, str]]] = {}
         contained: set = set()  # paths checked once: 256 files, not 874k chunks
-        for mindex, info in storage.items():
+        with progress.step("indexing .metadata", len(storage), "chunks") as step:
+            self._index_storage(store, storage, by_fqn, spans, contained, index, step)
+        _check_disjoint(store, spans)
+        with progress.step("indexing tensors", len(storage), "chunks") as step:
+            self._index_tensors(store, meta, by_fqn, index, step)
+        save_id = getattr(getattr(meta, "storage_meta", None), "save_id", None) or ""
+        index.written_by_ckptool = save_id.startswith(SAVE_ID_MARK)
+        return index
+
+    @staticmethod
+    def _index_storage(store, storage, by_fqn, spans, contained, index, step) -> None:
+        for n, (mindex, info) in enumerate(storage.items()):
+            if not n & 4095:
+                step.advance(4096 if n else 0)
             fqn = getattr(mindex, "fqn", None)
             _check_storage_info(store, fqn, info, contained)
             offset = tuple(mindex.offset) if mindex.offset is not None else None
@@ -64,8 +78,9 @@ class DcpContainerReader(Reader):
             end = info.offset + info.length
             index.files[info.relative_path] = max(index.files.get(info.relative_path, 0), end)
             spans.setdefault(info.relative_path, []).append((info.offset, end, fqn))
-        _check_disjoint(store, spans)
 
+    @staticmethod
+    def _index_tensors(store, meta, by_fqn, index, step) -> None:
         for key, entry in meta.state_dict_metadata.items():
             if entry.chunks is None:  # BytesStorageMetadata
                 info = by_fqn.get((key, None))
@@ -94,9 +109,7 @@ class DcpContainerReader(Reader):
                                         key=key)
                 tensor.pieces.append(Piece(region, location))
             index.tensors[key] = tensor
-        save_id = getattr(getattr(meta, "storage_meta", None), "save_id", None) or ""
-        index.written_by_ckptool = save_id.startswith(SAVE_ID_MARK)
-        return index
+            step.advance(len(tensor.pieces))
 
     def _archive(self, store: Store, piece: Piece) -> TorchFile | None:
         """The chunk's torch.save archive, read by byte range; None for other encodings."""

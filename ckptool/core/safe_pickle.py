@@ -34,6 +34,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterator
 
+from ckptool.core import progress
 from ckptool.core.errors import BadCheckpoint, UnsafePickle
 
 _TRUST = False
@@ -502,6 +503,24 @@ def _reconstructor(cls, base, state):
     return record_class("copyreg", "_reconstructor", unsafe=True)(cls, base, state)
 
 
+class _Counted(io.BytesIO):
+    """The pickle's bytes, each frame read counted as progress."""
+
+    def __init__(self, data: bytes, step):
+        super().__init__(data)
+        self._step = step
+
+    def read(self, n: int = -1) -> bytes:
+        out = super().read(n)
+        self._step.advance(len(out))
+        return out
+
+    def readinto(self, b) -> int:
+        n = super().readinto(b)
+        self._step.advance(n)
+        return n
+
+
 def load_dcp_metadata(data: bytes, source: str) -> Any:
     """Unpickle a DCP ``.metadata`` into inert records; a global outside the allowlist is
     :class:`UnsafePickle` (nothing else of the checkpoint can be read without it).
@@ -509,13 +528,14 @@ def load_dcp_metadata(data: bytes, source: str) -> Any:
     Records keep DCP's attribute names (``state_dict_metadata``, ``storage_data``,
     ``chunks``, ``offsets``...), so readers use them as DCP documents them.
     """
-    unpickler = Unpickler(io.BytesIO(data))
-    try:
-        meta = unpickler.load()
-    except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError,
-            IndexError, TypeError, KeyError, RecursionError, MemoryError) as exc:
-        raise BadCheckpoint(f"DCP metadata cannot be parsed ({type(exc).__name__}: "
-                            f"{str(exc)[:120]})", path=source) from None
+    with progress.step(f"reading {posixpath.basename(source)}", len(data), "B") as step:
+        unpickler = Unpickler(_Counted(data, step))
+        try:
+            meta = unpickler.load()
+        except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError,
+                IndexError, TypeError, KeyError, RecursionError, MemoryError) as exc:
+            raise BadCheckpoint(f"DCP metadata cannot be parsed ({type(exc).__name__}: "
+                                f"{str(exc)[:120]})", path=source) from None
     if unpickler.refused:
         raise unsafe_error(source, None, unpickler.refused[0])
     return meta

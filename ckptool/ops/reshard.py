@@ -26,6 +26,7 @@ from ckptool.core.errors import UnsupportedFormat, UsageError
 from ckptool.core.gcpause import paused_gc
 from ckptool.core.layout import check as check_layout
 from ckptool.core.optimizer import FreshReader, fresh_state, is_optimizer_key, state_key
+from ckptool.core.progress import step as progress_step
 from ckptool.ops.write import WriteJob, write_output
 from converters.schemas.hf import refuse_uncarried_config
 from converters.schemas.megatron_args import refuse_uncarried_args
@@ -208,7 +209,8 @@ def rewrite(opened: Opened, dst: str, fmt: str, options: RewriteOptions,
     spec = writer.target_spec(index, source_topo, target_topo, options.true_vocab_size)
     if spec is not None:
         check_layout(spec, target_topo)
-    with paused_gc():  # a target region and its sources per chunk: many acyclic objects
+    # a target region and its sources per chunk: many acyclic objects
+    with paused_gc(), progress_step("planning the target files"):
         plan = writer.plan(index, target_topo, spec,
                            schema=options.names or writer.source_schema(opened),
                            with_optimizer=not options.drop_optimizer)
