@@ -39,8 +39,8 @@ from ckptool.core.manifest import (
     write_manifest,
 )
 from ckptool.core.regions import coverage_problems, plan_copies
-from ckptool.core.scan import FileScan, Span, float_kind
 from ckptool.core.safe_pickle import trusted
+from ckptool.core.scan import FileScan, Span, float_kind
 from ckptool.core.storage import Store, is_temporary
 
 torch = lazy("torch", globals())

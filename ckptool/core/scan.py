@@ -10,9 +10,10 @@ fp16 are scanned so, as 16-bit integers, never upcast. fp32 and fp64 take one BL
 product of the block with itself instead (faster still): it is finite unless an element
 is not, or the sum of squares overflows, which the exact count then sorts out.
 
-:class:`FileScan` applies this to byte ranges of one file as its blocks stream past (the
-hashing pass of :func:`ckptool.core.manifest.hash_file` feeds it), so ``verify --deep``
-reads every byte once.
+:class:`FileScan` applies this to byte ranges of one file as its blocks stream past:
+:func:`ckptool.core.manifest.hash_file` has it read the file (:meth:`FileScan.read`, each
+range landing at its elements' alignment) and hashes the same blocks, so ``verify
+--deep`` reads every byte once.
 """
 
 from __future__ import annotations
