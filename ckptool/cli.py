@@ -165,7 +165,8 @@ def inspect(ckpt: str, top: int, as_json: bool, quiet: bool):
 @click.option("--deep", is_flag=True, help="Also read every piece: shape, dtype, NaN/Inf.")
 @click.option("--seal", is_flag=True, help="Write a manifest for a foreign checkpoint after a deep check.")
 @click.option("--strict", is_flag=True, help="Treat files missing from the manifest as errors.")
-@click.option("--workers", default=2, show_default=True, help="Files hashed in parallel.")
+@click.option("--workers", type=click.IntRange(min=1),
+              help="Files hashed in parallel.  [default: the cores, at most 8]")
 @_output_options
 def verify(ckpt: str, deep: bool, seal: bool, strict: bool, workers: int, as_json: bool, quiet: bool):
     """Check that the checkpoint CKPT is whole, committed and uncorrupted.

@@ -89,3 +89,63 @@ def test_a_file_shorter_than_its_spans_leaves_them_unfinished():
     scan = FileScan([Span(0, 8, "float32", "a"), Span(8, 8, "float32", "b")])
     scan.feed(0, b"\x00" * 10)
     assert [s.tag for s in scan.unfinished()] == ["b"]
+
+
+def test_ckptool_dcp_chunks_start_aligned_so_deep_verify_scans_them_in_place(tmp_path):
+    """Every chunk ckptool's DCP writer appends (here through the training hook) has its bytes
+    at a 64-byte file offset, whatever the odd sizes and objects before it; torch's DCP still
+    reads the result, and the deep scan still finds a NaN put there."""
+    import torch.distributed.checkpoint as dcp
+
+    import converters
+    from ckptool.checkpoints.open import read_index
+    from ckptool.checkpoints.verify import verify
+    from ckptool.core.storage import Store
+    from training import AsyncCheckpointer
+
+    state = {"a": torch.randn(3), "note": {"text": "x" * 7}, "b": torch.randn(5).bfloat16(),
+             "c": torch.randn(7, 3, dtype=torch.float64), "d": torch.randn(1).half(), "step": 3}
+    state["c"][2, 1] = float("nan")
+    ckpt = AsyncCheckpointer(str(tmp_path / "run"))
+    ckpt.save(1, state)
+    ckpt.close()
+    store = Store.open(ckpt.last_committed)
+    reader = converters.reader(converters.require_format(store))
+    index = read_index(reader, store)
+    offsets = [reader.raw_span(store, p, t.dtype)[1] for t in index.tensors.values() for p in t.pieces]
+    assert len(offsets) == 4 and all(o % 64 == 0 for o in offsets), offsets
+    back = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    dcp.load(back, checkpoint_id=ckpt.last_committed)
+    assert all(torch.equal(back[k], state[k]) for k in "abd")
+    report = verify(ckpt.last_committed, deep=True)
+    assert [(p.kind, p.key) for p in report.problems] == [("nonfinite", "c")]
+
+
+def test_hash_file_scans_spans_across_its_blocks_aligned_or_not(tmp_path):
+    """The mapped pass of ``hash_file``: spans longer than a block, at aligned and odd offsets,
+    give torch's counts, and the hash is the plain pass's."""
+    from ckptool.core.manifest import hash_file
+    from ckptool.core.scan import SCAN_BLOCK
+    from ckptool.core.storage import Store
+
+    gen = torch.Generator().manual_seed(1)
+    parts, spans, expect, pos = [], [], {}, 0
+    for i, (dtype, gap) in enumerate([(torch.float32, 0), (torch.bfloat16, 3), (torch.float32, 1),
+                                      (torch.float16, 64)]):
+        t = torch.randn(SCAN_BLOCK // 2 + 12345, generator=gen).to(dtype)
+        t[torch.randint(t.numel(), (5,), generator=gen)] = float("nan")
+        t[-1] = float("-inf")
+        parts.append(b"\x7f" * gap)
+        pos += gap
+        raw = t.view(torch.uint8).numpy().tobytes()
+        spans.append(Span(pos, len(raw), float_kind(dtype), i))
+        expect[i] = _expected(t)
+        parts.append(raw)
+        pos += len(raw)
+    (tmp_path / "f").write_bytes(b"".join(parts))
+    assert pos > 2 * SCAN_BLOCK
+    store = Store.open(str(tmp_path))
+    scan = FileScan(spans)
+    assert hash_file(store, "f", scan=scan) == hash_file(store, "f")
+    assert {s.tag: (s.nan, s.inf) for s in scan.spans} == expect
+    assert scan.unfinished() == []

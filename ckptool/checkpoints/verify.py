@@ -19,6 +19,7 @@ is checked on its structure and reported as unsealed; ``seal=True`` then writes 
 from __future__ import annotations
 
 import math
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -72,9 +73,11 @@ class _Check:
 
 
 def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = False,
-           workers: int = 2, progress: Progress | None = None) -> VerifyReport:
-    """Verify the checkpoint at ``url`` (a checkpoint directory or a run root)."""
+           workers: int | None = None, progress: Progress | None = None) -> VerifyReport:
+    """Verify the checkpoint at ``url`` (a checkpoint directory or a run root), hashing
+    ``workers`` files at a time (default: the cores, at most 8)."""
     deep = deep or seal
+    workers = workers or min(8, os.cpu_count() or 2)
     try:
         store = resolve(url)
         fmt = converters.require_format(store)

@@ -11,28 +11,27 @@ product of the block with itself instead (faster still): it is finite unless an 
 is not, or the sum of squares overflows, which the exact count then sorts out.
 
 :class:`FileScan` applies this to byte ranges of one file as its blocks stream past:
-:func:`ckptool.core.manifest.hash_file` has it read the file (:meth:`FileScan.read`, each
-range landing at its elements' alignment) and hashes the same blocks, so ``verify
---deep`` reads every byte once.
+:func:`ckptool.core.manifest.hash_file` maps the file and hashes and scans the same
+cache-sized blocks, so ``verify --deep`` reads every byte once, from the page cache, with
+no copy. A range whose elements are not aligned in the file (a DCP chunk that torch's
+writer appended anywhere; ckptool's writers align them) is scanned through a block-sized
+aligned scratch copy.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ckptool.core.lazy import lazy
 
 np = lazy("numpy", globals(), "np")
 
-_SUB = 1 << 20
-"""Bytes scanned per reduction: small enough to stay in cache after the hash read them."""
-_BLOCK = 2 << 20
-"""Bytes read per call when a file is read for a scan."""
-_ALIGN = 64
+SCAN_BLOCK = 1 << 20
+"""Bytes hashed then scanned at a time, and per reduction: small enough to stay in the
+core's cache between the two."""
 
 # dtype name -> (bytes per element, mask of the "not finite" values, whether Inf exists)
 _FLOATS: dict[str, tuple[int, int, bool]] = {
@@ -56,49 +55,58 @@ def float_kind(dtype: Any) -> str | None:
 
 
 _SCRATCH = threading.local()
+_NP: dict[str, tuple] = {}
 
 
-def _views(data, kind: str):
-    """Unsigned and signed views of ``data``, first copied to an aligned scratch block when it
-    is not aligned (a DCP chunk starts anywhere in its file; unaligned SIMD and BLAS are slow)."""
-    size = _FLOATS[kind][0]
-    raw = np.frombuffer(data, dtype=np.uint8)
-    if raw.__array_interface__["data"][0] % size:
-        scratch = getattr(_SCRATCH, "block", None)
-        if scratch is None:
-            scratch = _SCRATCH.block = np.empty(_SUB, dtype=np.uint8)
-        np.copyto(scratch[:raw.size], raw)
-        raw = scratch[:raw.size]
-    return raw.view(f"<u{size}"), raw.view(f"<i{size}")
+def _np_kind(kind: str) -> tuple:
+    """(size, mask, sign, has_inf, unsigned, signed, float-or-None) numpy dtypes of ``kind``,
+    made once: the per-block path does no string work."""
+    found = _NP.get(kind)
+    if found is None:
+        size, mask, has_inf = _FLOATS[kind]
+        floats = np.dtype(f"<f{size}") if size >= 4 else None
+        found = _NP[kind] = (size, mask, 1 << (8 * size - 1), has_inf, np.dtype(f"<u{size}"),
+                             np.dtype(f"<i{size}"), floats)
+    return found
+
+
+def _aligned(raw, size: int):
+    """``raw`` (uint8), or a copy of it in an aligned scratch block when its address is not a
+    multiple of ``size`` (a DCP chunk that torch's writer appended anywhere in its file; numpy
+    takes a slow path over unaligned elements)."""
+    if raw.ctypes.data % size == 0:
+        return raw
+    scratch = getattr(_SCRATCH, "block", None)
+    if scratch is None:
+        scratch = _SCRATCH.block = np.empty(SCAN_BLOCK, dtype=np.uint8)
+    np.copyto(scratch[:raw.size], raw)
+    return scratch[:raw.size]
 
 
 def nonfinite(data, kind: str) -> tuple[int, int]:
     """(NaN count, Inf count) of the little-endian elements of ``kind`` in buffer ``data``
     (whole elements). Costs one or two reductions per MiB unless the block holds some."""
     nan = inf = 0
-    view = memoryview(data).cast("B")
+    spec = _np_kind(kind)
+    raw = np.frombuffer(data, dtype=np.uint8)
     with np.errstate(over="ignore", invalid="ignore"):  # what the dot gives is looked at
-        for start in range(0, len(view), _SUB):
-            block = view[start:start + _SUB]
-            n, i = _block_nonfinite(block, kind)
+        for start in range(0, raw.size, SCAN_BLOCK):
+            n, i = _block_nonfinite(raw[start:start + SCAN_BLOCK], spec)
             nan, inf = nan + n, inf + i
-            block.release()
-    view.release()
     return nan, inf
 
 
-def _block_nonfinite(block, kind: str) -> tuple[int, int]:
-    size, mask, has_inf = _FLOATS[kind]
-    sign = 1 << (8 * size - 1)
-    unsigned, signed = _views(block, kind)
-    if size >= 4:  # one BLAS pass: x.x is finite unless some x is not (or the sum overflows)
-        floats = signed.view(f"<f{size}")
-        hit = not math.isfinite(float(np.dot(floats, floats)))
+def _block_nonfinite(raw, spec: tuple) -> tuple[int, int]:
+    size, mask, sign, has_inf, unsigned_t, signed_t, float_t = spec
+    raw = _aligned(raw, size)
+    if float_t is not None:  # one BLAS pass: x.x is finite unless some x is not (or overflows)
+        floats = raw.view(float_t)
+        hit = not math.isfinite(floats.dot(floats))
     else:
-        hit = int(unsigned.max()) >= sign | mask or int(signed.max()) >= mask
+        hit = int(raw.view(unsigned_t).max()) >= sign | mask or int(raw.view(signed_t).max()) >= mask
     if not hit:
         return 0, 0
-    bits = unsigned & (sign - 1)  # a temporary of one block, only where there is a hit
+    bits = raw.view(unsigned_t) & (sign - 1)  # a temporary of one block, only on a hit
     beyond = int(np.count_nonzero(bits >= mask))
     inf = int(np.count_nonzero(bits == mask)) if has_inf else 0
     return beyond - inf, inf
@@ -160,38 +168,6 @@ class FileScan:
             span.seen += whole
         if whole < len(data):
             span._carry += bytes(data[whole:])
-
-    def read(self, fd: int, size: int, update: Callable[[Any], Any],
-             progress: Callable[[int], Any] | None = None) -> int:
-        """Read the whole file ``fd`` (``size`` bytes) in order, giving each block to ``update``
-        (the hash) and to :meth:`feed`. Each span's bytes land in the buffer at the alignment
-        of its elements, so the scan works in place, with no aligning copy (a DCP chunk starts
-        anywhere in its file). Returns the bytes read (less than ``size`` if it shrank)."""
-        cuts = sorted({0, size, *(min(s.offset, size) for s in self.spans),
-                       *(min(s.end, size) for s in self.spans)})
-        store = np.empty(_BLOCK + _ALIGN, dtype=np.uint8)
-        base = store.__array_interface__["data"][0]
-        buf = memoryview(store)
-        done = 0
-        for start, end in zip(cuts, cuts[1:]):
-            pos = start
-            while pos < end:
-                shift = (pos - base) % _ALIGN  # buffer offset at which pos is aligned
-                n = min(end - pos, _BLOCK)
-                got = os.preadv(fd, [buf[shift:shift + n]], pos)
-                if got <= 0:
-                    buf.release()
-                    return done
-                block = buf[shift:shift + got]
-                update(block)
-                self.feed(pos, block)
-                block.release()
-                if progress:
-                    progress(got)
-                pos += got
-                done += got
-        buf.release()
-        return done
 
     def unfinished(self) -> list[Span]:
         """Spans the file did not hold to their end (a file shorter than its metadata)."""
