@@ -5,8 +5,9 @@ Real DeepSpeed (``tests/harness/deepspeed_engine.py``) trains ZeRO-1/2/3 at DP=2
 step on a fixed global batch (the uninterrupted run). A DP=3 job builds fresh engines,
 ``load_latest`` into their description, and takes the same step: the loss and the updated
 parameters must match, and the loaded fp32 masters and moments equal the saved ones exactly.
-bf16 engines too (ZeRO-2 and ZeRO-3): there the next step differs by bf16 rounding only,
-because gradients are reduced over another number of ranks.
+bf16 and fp16 engines too (ZeRO-2 and ZeRO-3): there the next step differs by rounding only,
+because gradients are reduced over another number of ranks; fp16's dynamic loss scaler
+resumes in the state it was saved in.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ peer("deepspeed")
 from tests.harness import deepspeed_engine as H  # noqa: E402
 
 STAGES = (1, 2, 3)
-CASES = [(stage, "fp32") for stage in STAGES] + [(2, "bf16"), (3, "bf16"), (2, "align")]
-"""``align``: bf16 with ZeRO's parameter_alignment (zeros between parameters)."""
+CASES = [(stage, "fp32") for stage in STAGES] + [(2, "bf16"), (3, "bf16"), (2, "align"),
+                                                  (2, "fp16"), (3, "fp16")]
+"""``align``: bf16 with ZeRO's parameter_alignment (zeros between parameters). ``fp16``: a
+dynamic loss scale that has overflowed and dropped before the save."""
 NAMES = [f"z{stage}" + ("" if p == "fp32" else f"_{p}") for stage, p in CASES]
 
 
@@ -42,11 +45,12 @@ def _save_worker(rank: int, dp: int, root: str, port: int) -> None:
         ckpt.save(H.STEPS, sharded_state(eng))
         ckpt.wait()
         eng.save_checkpoint(f"{root}/ds_{name}")  # the same state, as DeepSpeed writes it
-        saved = H.full_state(eng)
+        saved, scaler = H.full_state(eng), H.scaler_state(eng)
         loss = H.train_step(eng, H.NEXT_STEP, rank, dp)
         after = H.full_state(eng)["params"]
         if rank == 0:
-            torch.save({"saved": saved, "loss": loss, "after": after}, f"{root}/{name}.truth.pt")
+            torch.save({"saved": saved, "loss": loss, "after": after, "scaler": scaler},
+                       f"{root}/{name}.truth.pt")
 
 
 def _load_worker(rank: int, dp: int, root: str, port: int) -> None:
@@ -59,12 +63,12 @@ def _load_worker(rank: int, dp: int, root: str, port: int) -> None:
         state = sharded_state(eng)
         step = AsyncCheckpointer(f"{root}/{name}").load_latest(state)
         restore(eng, state)
-        loaded, steps = H.full_state(eng), eng.global_steps
+        loaded, steps, scaler = H.full_state(eng), eng.global_steps, H.scaler_state(eng)
         loss = H.train_step(eng, H.NEXT_STEP, rank, dp)
         after = H.full_state(eng)["params"]
         if rank == 0:
             torch.save({"loaded": loaded, "loss": loss, "after": after, "step": step,
-                        "global_steps": steps}, f"{root}/{name}.dp{dp}.pt")
+                        "global_steps": steps, "scaler": scaler}, f"{root}/{name}.dp{dp}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +93,22 @@ def test_dp2_hook_checkpoint_resumes_at_dp3(hook, name):
         for key, value in truth["saved"][kind].items():
             assert torch.equal(got["loaded"][kind][key], value), (kind, key)
     assert abs(got["loss"] - truth["loss"]) / abs(truth["loss"]) < 1e-5
-    tol = 1e-5 if name in {f"z{s}" for s in STAGES} else 1e-2  # bf16: reduced over 3 ranks
+    tol = 1e-5 if name in {f"z{s}" for s in STAGES} else 1e-2  # bf16/fp16: reduced over 3 ranks
     for key, value in truth["after"].items():
         assert _close(got["after"][key], value, tol), key
+    # fp16: the scaler as saved. Whether the next step overflows is then DeepSpeed's affair:
+    # fp16 gradients summed over 3 ranks can overflow where 2 did not.
+    assert got["scaler"] == truth["scaler"]
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n.endswith("fp16")])
+def test_fp16_loss_scaler_resumes_where_it_was(hook, name):
+    """The saved scaler is not the one a fresh engine starts with, so the test above tells a
+    restored scaler from a fresh one."""
+    truth = torch.load(hook / f"{name}.truth.pt", weights_only=False)
+    scaler = truth["scaler"]
+    assert scaler["cur_scale"] < 2.0 ** 16 and scaler["last_overflow_iter"] >= 0, scaler
+    assert 1 <= scaler["skipped_steps"] < H.STEPS, scaler  # a step was taken: moments are set
 
 
 @pytest.mark.parametrize("stage,name", list(zip([s for s, _ in CASES], NAMES)), ids=NAMES)

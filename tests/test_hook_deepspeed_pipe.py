@@ -37,11 +37,12 @@ from tests.harness import deepspeed_pipe_tp as T  # noqa: E402
 from tests.harness.deepspeed_pipe import DEAD, KINDS  # noqa: E402
 
 WORLD = 4
-CASES = (("fp32", 1, "fp32"), ("bf16", 1, "bf16"), ("bf16opt", 0, "bf16"))
-"""(name, ZeRO stage, precision); bf16 at stage 0 runs DeepSpeed's BF16_Optimizer."""
+CASES = (("fp32", 1, "fp32"), ("bf16", 1, "bf16"), ("bf16opt", 0, "bf16"), ("fp16", 1, "fp16"))
+"""(name, ZeRO stage, precision); bf16 at stage 0 runs DeepSpeed's BF16_Optimizer; fp16 has a
+dynamic loss scale that has overflowed and dropped before the save."""
 TARGETS = ((1, 2), (2, 1))
 """(TP, PP) of the resumed jobs, DP = 4 / (TP * PP) = 2."""
-NATIVE = ("fp32", "bf16")
+NATIVE = ("fp32", "bf16", "fp16")
 """The cases converted to DeepSpeed's own files and loaded by DeepSpeed (ZeRO-1). DeepSpeed
 0.19.8 cannot load a bf16 pipeline's BF16_Optimizer state, its own included (see
 ``tests/test_deepspeed_pipe_reshard.py``): that case is checked by its files."""
@@ -57,7 +58,8 @@ def _record(eng) -> dict:
     return {"state": H.full_state(eng), "stage": eng.stage_id, "tp": T._TP["rank"],
             "dp": eng.grid.data_parallel_id, "global_steps": eng.global_steps,
             "module": {n: p.detach().clone() for n, p in eng.module.named_parameters()},
-            "lr": eng.optimizer.optimizer.param_groups[0]["lr"], "adam_steps": T.adam_steps(eng), "hyper": T.hyper(eng)}
+            "lr": eng.optimizer.optimizer.param_groups[0]["lr"], "adam_steps": T.adam_steps(eng), "hyper": T.hyper(eng),
+            "scaler": H.scaler_state(eng)}
 
 
 def _save_worker(rank: int, world: int, root: str, port: int) -> None:
@@ -73,7 +75,7 @@ def _save_worker(rank: int, world: int, root: str, port: int) -> None:
         ckpt.save(H.STEPS, sharded_state(eng, args=vars(_args(2, 2))))
         ckpt.wait()
         args = _args(2, 2)
-        args.bf16 = precision == "bf16"
+        args.bf16, args.fp16 = precision == "bf16", precision == "fp16"
         eng.save_checkpoint(f"{root}/ds_{name}", client_state={"args": args, "checkpoint_version": 3.0,
                                                                "iteration": H.STEPS})
         record = _record(eng)
@@ -142,11 +144,15 @@ def test_tp2_pp2_hook_checkpoint_resumes_at_another_topology(hook, name, tp, pp)
         assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
     loss = truth[0]["loss"]
     assert {r["loss"] for r in truth} == {loss}  # every rank of a pipeline reports it
+    taken = H.STEPS - (truth[0]["scaler"] or {}).get("skipped_steps", 0)  # fp16 skips overflows
     for r in got:
         assert r["step"] == H.STEPS and r["global_steps"] == H.STEPS
-        assert r["adam_steps"] == truth[0]["adam_steps"] == [float(H.STEPS)] * 2
+        assert r["adam_steps"] == truth[0]["adam_steps"] == [float(taken)] * 2
         assert r["lr"] == truth[0]["lr"]
+        assert r["scaler"] == truth[0]["scaler"]  # fp16: the loss scaler as saved
         assert abs(r["loss"] - loss) / abs(loss) < 1e-5, (r["stage"], r["tp"], r["loss"], loss)
+    if name == "fp16":  # not a fresh engine's scaler, so the check above can fail; a step taken
+        assert truth[0]["scaler"]["cur_scale"] < 2.0 ** 16 and 1 <= taken < H.STEPS
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +191,7 @@ def test_converted_hook_checkpoint_loads_in_deepspeed(native, name, tp, pp):
     for r in got:
         assert r["global_steps"] == H.STEPS and r["adam_steps"] == truth[0]["adam_steps"]
         assert r["hyper"] == truth[0]["hyper"] and r["hyper"][0]["weight_decay"] == 0.01
+        assert r["scaler"] == truth[0]["scaler"]  # fp16: DeepSpeed's loader restored the scaler
         assert abs(r["loss"] - loss) / abs(loss) < 1e-5, (r["stage"], r["tp"], r["loss"], loss)
 
 

@@ -46,6 +46,7 @@ from ckptool.core.optimizer import state_key
 from ckptool.core.regions import Region, Shard
 from converters.deepspeed.pipe import pipe_layers, place_parameter
 from converters.deepspeed.zero import (
+    DYNAMIC_SCALER,
     parameter_alignment,
     zero3_partition,
     zero_partition,
@@ -223,7 +224,8 @@ def _pipeline_state(engine, args) -> dict:
     given = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
     live = {"hyper": objects["param_groups"],
             "args": {k: v for k, v in given.items() if isinstance(v, plain)},
-            **{k: objects[k] for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler")}}
+            **{k: objects[k] for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler",
+                                       "loss_scaler")}}
     return {"model": model_state, "optimizer": optim_state, "engine": objects,
             "deepspeed": {"pipeline": [{**record, **live}]}}
 
@@ -271,8 +273,7 @@ def _pipeline_record(engine, layers, groups, mp: int, dp_rank: int, bf16_optimiz
     return record
 
 
-_SCALER = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "scale_factor",
-           "scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis")
+_SCALER = (*DYNAMIC_SCALER, "dynamic")
 """A loss scaler's state: DeepSpeed's DynamicLossScaler attributes (a static one has cur_scale)."""
 
 

@@ -56,6 +56,7 @@ from ckptool.core.torchreader import save_target
 # registry picks its writer. It imports nothing from this module.
 from converters.deepspeed.pipe import PipeLayout, is_pipeline, read_pipeline
 from converters.deepspeed.zero import (
+    DYNAMIC_SCALER,
     EXPERT_FILE,
     EXPERT_NAME,
     MARK,
@@ -550,9 +551,25 @@ def _unique_subsequence(want: list, pool: list) -> list[int] | None:
     return left if left == right else None
 
 
-def _loss_scaler(scale: float = 1.0):
-    """DeepSpeed's static ``LossScaler(scale)`` (1 for fp32 and bf16 engines), which ZeRO files
-    carry (never imported: pickled under its name)."""
+def _loss_scaler(scale: float | dict = 1.0, where: str | None = None):
+    """The ``loss_scaler`` that ZeRO files carry (never imported: pickled under its name).
+    A number: DeepSpeed's static ``LossScaler(scale)`` (1 for fp32 and bf16 engines). A dict
+    (the save hook's record of an fp16 engine's scaler): a static one at its ``cur_scale``,
+    or, when it is dynamic, a ``DynamicLossScaler`` in that state, every attribute carried;
+    one the record lacks is refused (a fresh or static scaler would change the run)."""
+    if isinstance(scale, dict):
+        state = scale
+        if not (state.get("dynamic") or "scale_window" in state):
+            return _loss_scaler(float(state.get("cur_scale", 1.0)))
+        missing = [k for k in DYNAMIC_SCALER if k not in state]
+        if missing:
+            raise UsageError(f"the dynamic loss scaler recorded lacks {', '.join(missing)}",
+                             path=where, hint="Save again with this ckptool's training.deepspeed")
+        cls = record_class("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
+        scaler = cls.__new__(cls)
+        scaler.__setstate__({**{k: state[k] for k in DYNAMIC_SCALER}, "dynamic": True,
+                             "dtype": torch.float16})
+        return scaler
     cls = record_class("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
     scaler = cls.__new__(cls)
     scaler.__setstate__({"cur_scale": scale, "dynamic": False})
@@ -696,11 +713,15 @@ class DeepSpeedWriter(Writer):
                                     "at any DP size as it is", path=index.url)
             raise UsageError(f"DeepSpeed output is written only from a DeepSpeed checkpoint "
                              f"or a Hugging Face model, not from {index.format}", path=index.url)
-        if 0 in (source.zero, target.zero) and layout.model_dtype == torch.float16:
-            raise TopologyError("an fp16 engine without ZeRO (FP16_Optimizer) is read but not written: "
-                                "DeepSpeed builds no fp16 engine on CPU, so ckptool has not checked "
-                                "such output against it", path=index.url,
-                                hint="Convert to hf, dcp or megatron; or write ZeRO 1-3 from a ZeRO source")
+        if source.zero != target.zero and 0 in (source.zero, target.zero) \
+                and layout.model_dtype == torch.float16:
+            # FP16_UnfusedOptimizer keeps a scale, its iteration and last overflow; ZeRO's
+            # DynamicLossScaler also a hysteresis and a minimum scale: neither maps onto the other
+            raise TopologyError("an fp16 engine without ZeRO (FP16_UnfusedOptimizer) is written only "
+                                "at stage 0: its dynamic loss scale and ZeRO's do not map onto each "
+                                "other exactly", path=index.url,
+                                hint="Reshard fp16 stage 0 to another DP size at stage 0, or ZeRO 1-3 "
+                                     "among themselves; or convert to hf, dcp or megatron")
         return layout
 
     def source_schema(self, opened) -> str:

@@ -765,9 +765,14 @@ def adopt_hook_state(opened) -> None:
     from converters.deepspeed.engine import _loss_scaler  # lazy: the engine writer's own rule
 
     clip = float(record.get("gradient_clipping") or 0.0)
+    scaler = record.get("loss_scaler")  # fp16: the dynamic scaler, in the state it was saved in
+    if scaler is not None and not isinstance(scaler, dict):
+        raise UnreadableInput(f"the hook's {HOOK_OBJECT} record is not one ckptool writes "
+                              "(loss_scaler)", path=where)
     osd = {"clip_grad": clip, "ds_version": version} if bf16_optimizer else {
-        "loss_scaler": _loss_scaler(), "dynamic_loss_scale": False, "overflow": False,
-        "clip_grad": clip, "zero_stage": 1, "ds_version": version}
+        "loss_scaler": _loss_scaler(scaler or 1.0, where),
+        "dynamic_loss_scale": bool(scaler and (scaler.get("dynamic") or "scale_window" in scaler)),
+        "overflow": False, "clip_grad": clip, "zero_stage": 1, "ds_version": version}
     optim = Layout(
         tag=f"global_step{iteration}", stage=0 if bf16_optimizer else 1,
         bf16_files=bool(record["bf16_files"]), bf16_optimizer=bf16_optimizer,

@@ -163,6 +163,13 @@ EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d{2})_model_state
 under their global names."""
 
 
+DYNAMIC_SCALER = ("cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window",
+                  "min_scale", "delayed_shift", "cur_hysteresis", "consecutive_hysteresis",
+                  "raise_error_at_min_scale")
+"""The attributes of DeepSpeed's ``DynamicLossScaler`` (besides ``dynamic`` and ``dtype``):
+what an fp16 engine's scaler is, and what the save hook records of it."""
+
+
 @dataclass(frozen=True)
 class Experts:
     """``deepspeed.moe.layer.MoE``'s layout rule (DeepSpeed 0.19.8, ZeRO-1/2, mp=1).

@@ -75,7 +75,30 @@ PRECISIONS = {
     # a constant learning rate (no scheduler): a schedule Megatron's can continue exactly
     "fp32_const": {"scheduler": None},
     "bf16_const": {"bf16": {"enabled": True}, "scheduler": None},
+    # fp16 with a dynamic loss scale that overflows in the first step of the tiny models, so
+    # the scaler's state (scale, iteration, last overflow) is not its initial one and the
+    # second step is taken
+    "fp16": {"fp16": {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 1000,
+                      "hysteresis": 1, "min_loss_scale": 1}},
 }
+SCALER = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def scaler_state(eng) -> dict | None:
+    """The loss scaler's state (fp16), with the engine's count of skipped steps: ZeRO's
+    DynamicLossScaler, or stage 0's FP16_UnfusedOptimizer's scale config (which has no
+    hysteresis)."""
+    if not eng.fp16_enabled():
+        return None
+    scaler = getattr(eng.optimizer, "loss_scaler", None)
+    if scaler is None:  # FP16_UnfusedOptimizer
+        scaler = eng.optimizer.loss_scale_config
+        state = {k: float(getattr(scaler, k)) for k in SCALER if k != "cur_hysteresis"}
+        state["dynamic"] = bool(scaler.dynamic_loss_scale)
+    else:
+        state = {k: float(getattr(scaler, k)) for k in SCALER}
+        state["dynamic"] = bool(getattr(scaler, "dynamic", False))
+    return {**state, "skipped_steps": int(eng.skipped_steps)}
 
 
 def config(stage: int, dp: int, precision: str = "fp32") -> dict:
@@ -204,12 +227,13 @@ def _save_worker(rank: int, dp: int, root: str, stages: list[int], precision: st
             train_step(eng, s, rank, dp)
         name = f"z{stage}" + ("" if precision == "fp32" else f"_{precision}")
         eng.save_checkpoint(f"{root}/{name}")
-        saved, module = full_state(eng), module_state(eng)
+        saved, module, scaler = full_state(eng), module_state(eng), scaler_state(eng)
         loss = train_step(eng, NEXT_STEP, rank, dp)
         after = full_state(eng)["params"]
         if rank == 0:
             torch.save({"saved": saved, "module": module, "loss": loss, "after": after,
-                        "module_after": module_state(eng)}, f"{root}/{name}.truth.pt")
+                        "module_after": module_state(eng), "scaler": scaler},
+                       f"{root}/{name}.truth.pt")
 
 
 def _load_worker(rank: int, dp: int, jobs: list[tuple[int, str, str]], precision: str,
@@ -219,11 +243,13 @@ def _load_worker(rank: int, dp: int, jobs: list[tuple[int, str, str]], precision
         eng = engine(stage, dp, precision)
         eng.load_checkpoint(ckpt)
         loaded, module, steps = full_state(eng), module_state(eng), eng.global_steps
+        scaler = scaler_state(eng)
         loss = train_step(eng, NEXT_STEP, rank, dp)
         after = full_state(eng)["params"]
         if rank == 0:
             torch.save({"loaded": loaded, "module": module, "loss": loss, "after": after,
-                        "module_after": module_state(eng), "global_steps": steps}, result)
+                        "module_after": module_state(eng), "global_steps": steps,
+                        "scaler": scaler}, result)
 
 
 def _init(rank: int, world: int, port: int) -> None:
@@ -237,6 +263,14 @@ def _init(rank: int, world: int, port: int) -> None:
     # Test shim: gloo does the collectives; skip JIT-building DeepSpeed's CPU shared-memory
     # comm op (minutes on a fresh machine, unused here).
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # Test shim: DeepSpeed's CPU accelerator admits fp16 engines only where oneDNN has fp16
+    # kernels (AVX512-FP16/AMX CPUs); torch's CPU fp16 ops, which these tiny engines use, run
+    # on any CPU. DeepSpeed's fp16 optimizers and loss scaler are unchanged.
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if not accelerator.is_fp16_supported():
+        type(accelerator).is_fp16_supported = lambda self: True
     deepspeed.init_distributed("gloo")
 
 

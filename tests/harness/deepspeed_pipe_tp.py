@@ -250,7 +250,7 @@ def _load_worker(rank: int, world: int, jobs: list, port: int) -> None:
         assert path is not None, f"DeepSpeed found no checkpoint in {ckpt}"
         record = P._record(eng)
         record.update(tp=_TP["rank"], dp=eng.grid.data_parallel_id, adam_steps=adam_steps(eng),
-                      hyper=hyper(eng),
+                      hyper=hyper(eng), scaler=H.scaler_state(eng),
                       module={n: p.detach().clone() for n, p in eng.module.named_parameters()})
         record["loss"] = P.train_batch(eng, H.NEXT_STEP)
         torch.save(record, f"{result}.rank{rank}.pt")
