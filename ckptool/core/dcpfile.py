@@ -91,6 +91,7 @@ class DcpContainerReader(Reader):
                 raise BadCheckpoint("tensor has no dtype", path=store.display(METADATA), key=key)
             shape = _sizes(entry.size, store, key)
             tensor = TensorInfo(key, shape, dtype)
+            itemsize = dtype.itemsize
             for chunk in entry.chunks:
                 offsets, sizes = _sizes(chunk.offsets, store, key), _sizes(chunk.sizes, store, key)
                 info = by_fqn.get((key, offsets))
@@ -102,9 +103,9 @@ class DcpContainerReader(Reader):
                 except ValueError as exc:
                     raise BadCheckpoint(str(exc), path=store.display(METADATA), key=key) from None
                 location = _location(info)
-                if not location.detail and region.numel * dtype.itemsize > info.length:
+                if not location.detail and region.numel * itemsize > info.length:
                     raise BadCheckpoint(f"chunk at {list(offsets)} of {list(sizes)} elements needs "
-                                        f"{region.numel * dtype.itemsize} bytes, its storage "
+                                        f"{region.numel * itemsize} bytes, its storage "
                                         f"entry holds {info.length}", path=store.display(METADATA),
                                         key=key)
                 tensor.pieces.append(Piece(region, location))
@@ -234,9 +235,13 @@ def _sizes(values, store: Store, key: str) -> tuple[int, ...]:
         out = tuple(values)
     except TypeError:
         out = None
-    if out is None or not all(type(n) is int and n >= 0 for n in out):
-        raise BadCheckpoint(f"malformed sizes {str(values)[:60]}", path=store.display(METADATA), key=key)
-    return out
+    if out is not None:
+        for n in out:  # a loop, not all(): this runs three times per chunk
+            if type(n) is not int or n < 0:
+                break
+        else:
+            return out
+    raise BadCheckpoint(f"malformed sizes {str(values)[:60]}", path=store.display(METADATA), key=key)
 
 
 def _check_storage_info(store: Store, fqn, info, contained: set) -> None:
@@ -250,8 +255,8 @@ def _check_storage_info(store: Store, fqn, info, contained: set) -> None:
         store.contained(path, named_by=METADATA, key=fqn)
         if isinstance(path, str):
             contained.add(path)
-    if not path or not all(type(getattr(info, f, None)) is int and getattr(info, f) >= 0
-                           for f in ("offset", "length")):
+    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+    if not path or type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
         raise BadCheckpoint(f"malformed storage entry ({str(path)[:60]}, offset "
                             f"{str(getattr(info, 'offset', None))[:20]}, length "
                             f"{str(getattr(info, 'length', None))[:20]})", path=where, key=fqn)

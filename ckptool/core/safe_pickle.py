@@ -232,7 +232,36 @@ class _TensorProperties(Record):
             else self.fields().get("dtype")
 
 
-_RECORD_BASES = {("torch.distributed.checkpoint.metadata", "TensorProperties"): _TensorProperties}
+class _MetadataIndex(Record):
+    """DCP's MetadataIndex, a dict key of every chunk's storage entry: hashed from its fields
+    (a tuple hash, not a walk of its whole state; equal records have equal fields)."""
+
+    def __hash__(self):
+        d = self.__dict__
+        h = d.get("_hash")
+        if h is None:
+            state = d.get("_state")
+            try:
+                if type(state) is not dict:
+                    raise TypeError
+                h = hash((state.get("fqn"), state.get("offset"), state.get("index"), len(state)))
+            except TypeError:
+                return Record.__hash__(self)
+            d["_hash"] = h
+        return h
+
+
+class _StorageInfo(Record):
+    """DCP's _StorageInfo: ``transform_descriptors`` is absent from older versions' records
+    (a field the pickle holds is an attribute of the instance, which this default never
+    hides)."""
+
+    transform_descriptors = None
+
+
+_RECORD_BASES = {("torch.distributed.checkpoint.metadata", "TensorProperties"): _TensorProperties,
+                 ("torch.distributed.checkpoint.metadata", "MetadataIndex"): _MetadataIndex,
+                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo}
 
 
 # ------------------------------------------------------------------------ the allowlist
@@ -468,8 +497,9 @@ class Unpickler(pickle.Unpickler):
         if found is None and module.startswith("numpy"):
             found = _numpy_plain().get((module, name))
         if found is not None:
-            if found is _torch_size and _torch() is not None:
-                return _torch().Size  # resolved once per pickle, not per call
+            if found is _torch_size:  # resolved once per pickle, not per call
+                torch = _torch()
+                return torch.Size if torch is not None else tuple
             return found
         if (module, name) in _RECORDS:
             return record_class(module, name)
