@@ -207,3 +207,31 @@ def test_the_box_index_finds_exactly_what_a_scan_finds_in_the_same_order():
             box = ((r0, c0), (rng.randint(1, 12 - r0), rng.randint(1, 10 - c0)))
             want = [(i, c) for i, b in boxes if (c := intersect_boxes(b, box)) is not None]
             assert index.overlaps(box) == want
+
+
+def test_bytes_read_counts_each_overlap_once_per_target_region():
+    """``engine.bytes_read`` (the dry run's "read" figure): a tensor whose pieces tile it reads
+    each target region's size; one with a piece no file holds (fresh zeros) or with a gap
+    counts only the overlaps with stored bytes. The same region in two target files is read
+    twice."""
+    from ckptool.core.engine import TargetFile, TargetTensor, bytes_read
+    from ckptool.core.index import CheckpointIndex, Location, Piece, TensorInfo
+
+    def rows(key, lo, hi, shape=(8, 4)):
+        return Region(key, shape, (lo, 0), (hi - lo, shape[1]))
+
+    index = CheckpointIndex(format="dcp", url="mem://")
+    tiled = TensorInfo("a", (8, 4), torch.float32)
+    tiled.pieces += [Piece(rows("a", 0, 4), Location("f", 0, 64)), Piece(rows("a", 4, 8), Location("f", 64, 64))]
+    fresh = TensorInfo("b", (8, 4), torch.float32)
+    fresh.pieces += [Piece(rows("b", 0, 4), Location("f", 128, 64)), Piece(rows("b", 4, 8), Location(""))]
+    gap = TensorInfo("c", (8, 4), torch.float32)
+    gap.pieces += [Piece(rows("c", 0, 2), Location("f", 192, 32)), Piece(rows("c", 6, 8), Location("f", 224, 32))]
+    index.tensors.update(a=tiled, b=fresh, c=gap)
+
+    def target(path, *regions):
+        return TargetFile(path, [TargetTensor(r.key, Shard.of(r), torch.float32) for r in regions])
+
+    plan = [target("x", rows("a", 2, 6), rows("b", 2, 6), rows("c", 0, 8)),
+            target("y", rows("a", 2, 6))]
+    assert bytes_read(plan, index) == 4 * (4 * 4 + 2 * 4 + 4 * 4 + 4 * 4)
