@@ -247,9 +247,8 @@ def _sizes(values, store: Store, key: str) -> tuple[int, ...]:
 def _check_storage_info(store: Store, fqn, info, contained: set) -> None:
     """A storage entry names a file inside the checkpoint and a byte range of it
     (``contained``: the paths already found inside, each resolved once)."""
-    where = store.display(METADATA)
     if not isinstance(fqn, str):
-        raise BadCheckpoint("a storage entry has no key", path=where)
+        raise BadCheckpoint("a storage entry has no key", path=store.display(METADATA))
     path = getattr(info, "relative_path", None)
     if not (isinstance(path, str) and path in contained):
         store.contained(path, named_by=METADATA, key=fqn)
@@ -259,7 +258,8 @@ def _check_storage_info(store: Store, fqn, info, contained: set) -> None:
     if not path or type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
         raise BadCheckpoint(f"malformed storage entry ({str(path)[:60]}, offset "
                             f"{str(getattr(info, 'offset', None))[:20]}, length "
-                            f"{str(getattr(info, 'length', None))[:20]})", path=where, key=fqn)
+                            f"{str(getattr(info, 'length', None))[:20]})",
+                            path=store.display(METADATA), key=fqn)
 
 
 def _check_disjoint(store: Store, spans: dict[str, list[tuple[int, int, str]]]) -> None:

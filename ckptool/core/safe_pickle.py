@@ -96,7 +96,9 @@ class Record:
         # record per chunk); names the class itself uses (unsafe, fields...) stay the class's
         fields = state if type(state) is dict else self.fields()
         names = tuple(fields)
-        safe = _SAFE_FIELDS.setdefault(type(self), set())
+        safe = _SAFE_FIELDS.get(type(self))
+        if safe is None:
+            safe = _SAFE_FIELDS[type(self)] = set()
         if names in safe:  # the same field names as a record of this class before: all plain
             d.update(fields)
             return
