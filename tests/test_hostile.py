@@ -521,3 +521,39 @@ def test_a_manifest_model_config_that_is_no_model_is_refused_where_a_layout_is_n
         lines = res.err.strip().splitlines()
         assert res.code == 2 and len(lines) == 1 and says in lines[0] and "Traceback" not in res.err, res.err
     assert not (tmp_path / "hf").exists() and not (tmp_path / "meg").exists()
+
+
+_DS_RECORD = {"layers": [0, 2, 3], "entries": {}, "groups": {}, "hyper": [], "args": {},
+              "bf16_files": False, "bf16_optimizer": False}
+
+
+@pytest.mark.parametrize("record,target,message", [
+    ("not a list", "deepspeed", "the hook's deepspeed.pipeline record is not one ckptool writes"),
+    ([{"layers": "x"}], "deepspeed", "the hook's deepspeed.pipeline record is not one ckptool writes"),
+    ([{**_DS_RECORD, "groups": {"0": [[["w", "not a shape"]]]}}], "deepspeed",
+     "the hook's deepspeed.pipeline record is not one ckptool writes"),
+    ([{**_DS_RECORD, "args": {3: "x"}}], "deepspeed",
+     "the hook's deepspeed.pipeline record is not one ckptool writes"),
+    ([_DS_RECORD], "deepspeed", "the hook's record holds no param groups for every rank"),
+    ({"states": "x", "buffer_dtypes": []}, "megatron-dist",
+     "the hook's megatron.distributed_optimizer record is not one ckptool writes"),
+    ({"states": [{"optimizer": {"param_groups": []}}], "buffer_dtypes": [("x" * 10**6, 3)]},
+     "megatron-dist", "the hook's megatron.distributed_optimizer record names grad buffers"),
+], ids=["ds-not-a-list", "ds-missing-keys", "ds-bad-shape", "ds-args-keys", "ds-no-groups",
+        "mcore-not-a-list", "mcore-huge-dtype-pair"])
+def test_a_malformed_hook_record_is_one_line_and_writes_nothing(record, target, message, tmp_path,
+                                                                run_cli):
+    """What the save hook records beside the tensors (a pipeline engine's structure, the
+    distributed optimizer's state) is read from an untrusted checkpoint: anything else is
+    one bounded line, exit 2, and no output."""
+    from training import AsyncCheckpointer
+
+    where = {"deepspeed": ("deepspeed", "pipeline"), "megatron-dist": ("megatron", "distributed_optimizer")}
+    outer, inner = where[target]
+    ckpt = AsyncCheckpointer(str(tmp_path / "run"))
+    ckpt.save(1, {"model": {"w": torch.zeros(4)}, outer: {inner: record}})
+    ckpt.close()
+    res = run_cli("convert", ckpt.last_committed, tmp_path / "out", "--to", target)
+    assert res.code == 2 and message in res.err, res.err
+    assert len(res.err.strip().splitlines()) == 1 and len(res.err) < 400, res.err[:400]
+    assert not (tmp_path / "out").exists()

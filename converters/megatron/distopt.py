@@ -291,8 +291,8 @@ def adopt_hook_state(opened) -> None:
     keys = {}
     for pair in dtypes:
         if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(d, torch.dtype) for d in pair)):
-            raise UnreadableInput(f"the hook's {HOOK_OBJECT} record names grad buffers {pair!r}",
-                                  path=where)
+            raise UnreadableInput(f"the hook's {HOOK_OBJECT} record names grad buffers "
+                                  f"{repr(pair)[:60]}", path=where)
         keys[pair[0]] = pair
     _steps_in_groups(opened, checked)
     index.set_layout(Meta(keys, checked[0], HOOK_SHARDING,
