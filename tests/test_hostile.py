@@ -557,3 +557,16 @@ def test_a_malformed_hook_record_is_one_line_and_writes_nothing(record, target, 
     assert res.code == 2 and message in res.err, res.err
     assert len(res.err.strip().splitlines()) == 1 and len(res.err) < 400, res.err[:400]
     assert not (tmp_path / "out").exists()
+
+
+def test_an_error_line_is_one_bounded_line_whatever_the_checkpoint_names():
+    """A key, path or quoted value comes from the checkpoint: a megabyte of it, or newlines in
+    it, still make one line of bounded length (errors and verify's problems alike)."""
+    from ckptool.checkpoints.reports import Problem
+    from ckptool.core.errors import BadCheckpoint
+
+    huge = "x" * 10**6 + "\nforged line"
+    for line in (BadCheckpoint(f"bad {huge}", path=huge, key=huge, hint="Fix it").one_line(),
+                 Problem("metadata", f"bad {huge}", file=huge, key=huge).one_line()):
+        assert "\n" not in line and len(line) < 1400 and line.startswith("bad xxx")
+    assert BadCheckpoint("short", path="p", key="k").one_line() == "short (p, tensor 'k')"

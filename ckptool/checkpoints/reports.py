@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ckptool.core.errors import bounded
+
 
 @dataclass(frozen=True, slots=True)
 class Problem:
@@ -16,8 +18,10 @@ class Problem:
     key: str | None = None
 
     def one_line(self) -> str:
-        where = ", ".join(x for x in (self.file, f"tensor {self.key!r}" if self.key else None) if x)
-        return f"{self.message} ({where})" if where else self.message
+        key = f"tensor {bounded(repr(self.key))}" if self.key else None
+        where = ", ".join(x for x in (bounded(self.file) if self.file else None, key) if x)
+        message = bounded(self.message, 600)
+        return f"{message} ({where})" if where else message
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,15 +24,22 @@ class CkptoolError(Exception):
     def one_line(self) -> str:
         where = []
         if self.path:
-            where.append(str(self.path))
+            where.append(bounded(str(self.path)))
         if self.key:
-            where.append(f"tensor {self.key!r}")
-        text = self.message
+            where.append(f"tensor {bounded(repr(self.key))}")
+        text = bounded(self.message, 600)
         if where:
             text = f"{text} ({', '.join(where)})"
         if self.hint:
             text = f"{text}. {self.hint}"
         return text
+
+
+def bounded(text: str, limit: int = 300) -> str:
+    """``text`` as one line of at most ``limit`` characters: what a checkpoint names (a key, a
+    path, a value quoted in a refusal) is untrusted, and may be a megabyte or hold newlines."""
+    text = str(text).replace("\r", "\\r").replace("\n", "\\n")
+    return text if len(text) <= limit else f"{text[:limit - 1]}…"
 
 
 class UsageError(CkptoolError):
