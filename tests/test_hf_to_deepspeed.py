@@ -154,5 +154,9 @@ def test_refusals_name_the_fix(run_cli, tmp_path):
     assert res.code == 2 and "TP2" in res.err, res.err
     res = run_cli("convert", src, tmp_path / "f", "--to", "deepspeed", "--param-groups", "single")
     assert res.code == 2 and "--param-groups applies to a fresh optimizer state" in res.err, res.err
-    for name in "abcdef":
+    half = _hf(tmp_path, "llama", torch.float16)
+    res = run_cli("convert", half, tmp_path / "g", "--to", "deepspeed", "--zero", "2", "--init-optimizer")
+    assert res.code == 2 and "dynamic loss scaler" in res.err and "load_module_only" in res.err, res.err
+    assert run_cli("convert", half, tmp_path / "module", "--to", "deepspeed").code == 0
+    for name in "abcdefg":
         assert not (tmp_path / name).exists()

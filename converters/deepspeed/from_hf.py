@@ -104,6 +104,15 @@ def _hf_layout(index: CheckpointIndex, target: Topology, param_groups: str) -> L
         groups = [g for g in decay_groups([(n, len(s)) for n, s, _ in params]) if g]
         groups = [[(n, owners[n][0]) for n in g] for g in groups]
     dtypes = {d for _, _, d in params}
+    if fresh and torch.float16 in dtypes:
+        # ZeRO files carry the loss scaler, and DeepSpeed's loader puts theirs in place of the
+        # engine's: a fresh state has none to give, and a static scale of 1 would end the
+        # fp16 engine's loss scaling
+        raise UsageError("a fresh ZeRO state for fp16 weights would replace the fp16 engine's "
+                         "dynamic loss scaler with a static scale of 1", path=index.url,
+                         hint="Leave out --zero/--init-optimizer: the model states alone load "
+                              "with load_checkpoint(..., load_module_only=True) and keep the "
+                              "engine's scaler")
     bf16 = dtypes == {torch.bfloat16}
     return Layout(
         tag="global_step0", stage=target.zero, bf16_files=bf16, bf16_optimizer=False,
