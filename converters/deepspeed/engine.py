@@ -551,6 +551,11 @@ def _unique_subsequence(want: list, pool: list) -> list[int] | None:
     return left if left == right else None
 
 
+def scaler_is_dynamic(state: dict | None) -> bool:
+    """Whether a recorded loss scaler (the save hook's dict of its attributes) is dynamic."""
+    return bool(state) and bool(state.get("dynamic") or "scale_window" in state)
+
+
 def _loss_scaler(scale: float | dict = 1.0, where: str | None = None):
     """The ``loss_scaler`` that ZeRO files carry (never imported: pickled under its name).
     A number: DeepSpeed's static ``LossScaler(scale)`` (1 for fp32 and bf16 engines). A dict
@@ -559,8 +564,11 @@ def _loss_scaler(scale: float | dict = 1.0, where: str | None = None):
     one the record lacks is refused (a fresh or static scaler would change the run)."""
     if isinstance(scale, dict):
         state = scale
-        if not (state.get("dynamic") or "scale_window" in state):
-            return _loss_scaler(float(state.get("cur_scale", 1.0)))
+        if not all(type(v) in (int, float, bool) or v is None for v in state.values()):
+            raise UnreadableInput("the loss scaler recorded holds something other than numbers",
+                                  path=where)
+        if not scaler_is_dynamic(state):
+            return _loss_scaler(float(state.get("cur_scale") or 1.0))
         missing = [k for k in DYNAMIC_SCALER if k not in state]
         if missing:
             raise UsageError(f"the dynamic loss scaler recorded lacks {', '.join(missing)}",

@@ -762,7 +762,7 @@ def adopt_hook_state(opened) -> None:
         checkpoint_parallel_dimensions={"pp_degree": topo.pp, "tp_degree": topo.tp},
         ds_config=record.get("ds_config") or {},
         ds_version=version, args=args, checkpoint_version=3.0, iteration=iteration)
-    from converters.deepspeed.engine import _loss_scaler  # lazy: the engine writer's own rule
+    from converters.deepspeed.engine import _loss_scaler, scaler_is_dynamic  # lazy: the writer's rule
 
     clip = float(record.get("gradient_clipping") or 0.0)
     scaler = record.get("loss_scaler")  # fp16: the dynamic scaler, in the state it was saved in
@@ -771,7 +771,7 @@ def adopt_hook_state(opened) -> None:
                               "(loss_scaler)", path=where)
     osd = {"clip_grad": clip, "ds_version": version} if bf16_optimizer else {
         "loss_scaler": _loss_scaler(scaler or 1.0, where),
-        "dynamic_loss_scale": bool(scaler and (scaler.get("dynamic") or "scale_window" in scaler)),
+        "dynamic_loss_scale": scaler_is_dynamic(scaler),
         "overflow": False, "clip_grad": clip, "zero_stage": 1, "ds_version": version}
     optim = Layout(
         tag=f"global_step{iteration}", stage=0 if bf16_optimizer else 1,
