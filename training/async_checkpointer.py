@@ -34,7 +34,17 @@ from ckptool.core.manifest import MANIFEST, FileEntry, Manifest, write_manifest
 from ckptool.core.safe_pickle import trusted
 from ckptool.core.storage import Store, is_temporary
 from ckptool.core.regions import Region, Shard
-from training.state import Sharded, boxes, describe, dotted, dtensor_entry, flatten, is_dtensor, set_leaf
+from training.state import (
+    Owned,
+    Sharded,
+    boxes,
+    describe,
+    dotted,
+    dtensor_entry,
+    flatten,
+    is_dtensor,
+    set_leaf,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +181,12 @@ class AsyncCheckpointer:
             elif isinstance(value, torch.Tensor):  # replicated: rank 0 writes it
                 local, shard, writes = value, None, self._rank == 0
             else:
-                if self._rank == 0:  # non-tensors are replicated: rank 0 keeps them (as DCP does)
+                # non-tensors are replicated: rank 0 keeps them (as DCP does), unless Owned says
+                if isinstance(value, Owned):
+                    value, keeps = value.value, not value.replica
+                else:
+                    keeps = self._rank == 0
+                if keeps:
                     data = io.BytesIO()
                     torch.save(value, data)
                     objects[dotted(path)] = data.getvalue()

@@ -26,6 +26,16 @@ is cut into the TP shard's regions (:func:`~ckptool.core.regions.flat_regions`, 
 ZeRO partitions use), under ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>``, the
 canonical names ckptool's distributed-optimizer readers give, so the state reshards to any
 TP, PP and DP. The DP rank holding a parameter's first element writes its step.
+
+Two ways in, one description out:
+
+* :func:`sharded_state` places each parameter by ckptool's layout rules from a
+  :class:`~ckptool.core.layout.ModelSpec`;
+* :func:`from_sharded_state_dict` takes Megatron-Core's own ``model.sharded_state_dict()``
+  (each ``ShardedTensor``'s key, global shape and offset, factories built in place), so any
+  model Megatron-Core describes is saved without a spec. Its stacked layer keys are unstacked
+  by the readers' one rule (:func:`converters.megatron.common.layer_key`), so both give the
+  same checkpoint keys: a job saved through one resumes through the other.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from ckptool.core.layout import ModelSpec, expert_name, expert_of, expert_ranks,
 from ckptool.core.optimizer import state_key, state_shard
 from ckptool.core.regions import Region, Shard
 from ckptool.core.topology import Topology
+from converters.megatron.common import is_stacked, layer_key
 from converters.schemas.megatron import SCHEMAS, detect_schema
 from training.state import ADAM_KINDS, Sharded, adam_state, flat_entry
 
@@ -114,6 +125,152 @@ def sharded_state(model, spec: ModelSpec, topo: Topology, *, tp_rank: int, pp_ra
     if distributed is not None:
         state["megatron"] = {"distributed_optimizer": distributed_common(distributed)}
     return state
+
+
+def from_sharded_state_dict(model_sd, *, optimizer=None) -> dict:
+    """``{"model": ..., "optimizer": ..., "megatron": ...}`` for this rank, from Megatron-Core's
+    own description of the model: ``model.sharded_state_dict()`` of each chunk (a dict, or a
+    list of them with virtual pipelining), as Megatron-LM's ``generate_state_dict`` builds it.
+
+    Each ``ShardedTensor`` is the box ``global_offset + local shape`` of the global tensor
+    ``key``; a stacked key (``decoder.layers.x``, the layer on a prepended axis) is layer
+    ``global_offset[0]``'s canonical tensor. A ``ShardedTensorFactory`` (SwiGLU's fc1 halves,
+    grouped experts) is built, and each built tensor must be a view of the parameter: the
+    parameter is then one local tensor holding all their regions, loaded in place. The main
+    replica (``replica_id`` all zero) writes. ``ShardedObject``s holding a value (Transformer
+    Engine's ``_extra_state``) are kept by the rank of their main replica; empty ones (the
+    local spec's) carry nothing and are left out.
+
+    ``optimizer`` is described as :func:`sharded_state` does (a DistributedOptimizer or
+    ChainedOptimizer, or a torch Adam over the parameters), each parameter's state cut by the
+    same regions. The distributed optimizer's own ``sharded_state_dict`` is not used: in
+    Megatron-Core 0.16 its per-rank model-space form is gone (``flattened_range`` is refused),
+    ``dp_reshardable`` is bucket space (fixed TP/PP) and ``fully_reshardable`` gathers every
+    DP rank's state on DP rank 0 at save, which would stall training.
+    """
+    from training.state import Owned
+
+    chunks = model_sd if isinstance(model_sd, (list, tuple)) else [model_sd]
+    params: dict[int, list] = {}  # id(base) -> [base, parts, replica_id, name]
+    objects = {}
+    for chunk in chunks:
+        for name, leaf in _sharded_leaves(chunk):
+            kind = _mcore_kind(leaf)
+            if kind == "object":
+                if leaf.data is not None:
+                    objects[leaf.unique_key] = Owned(leaf.data, not _is_main(leaf.replica_id))
+                continue
+            if kind is None:
+                raise UsageError(f"the sharded state dict holds {type(leaf).__name__} at {name!r}",
+                                 hint="Pass model.sharded_state_dict() of each model chunk")
+            base = leaf.data
+            built = [leaf] if kind == "tensor" else _built(leaf, name)
+            entry = params.setdefault(id(base), [base, [], leaf.replica_id, name])
+            for t in built:
+                entry[1].append((_offset_in(base, t, name), _unstacked_region(t, name)))
+    model_state, optim_state = {}, {}
+    distributed = _distributed_optimizers(optimizer)
+    for base, parts, replica_id, name in params.values():
+        shard = Shard(tuple(base.shape), tuple(sorted(parts, key=lambda p: p[0])))
+        first = shard.regions[0]
+        key = first.key if first.key not in model_state else f"{first.key}@{first.offsets}"
+        replica = not _is_main(replica_id)
+        model_state[key] = Sharded(base.data if isinstance(base, torch.nn.Parameter) else base,
+                                   shard, replica)
+        if optimizer is None:
+            continue
+        # the step is one scalar per global tensor: the rank holding its first element writes it
+        holds_first = any(not any(r.offsets) for r in shard.regions)
+        if distributed is not None:  # DP ranks hold disjoint ranges of the same shard
+            replica = any(replica_id[:-1]) if isinstance(replica_id, tuple) else replica
+            optim_state.update(_distributed_state(distributed, base, key, shard, replica,
+                                                  first.key, replica or not holds_first, name))
+        else:
+            optim_state.update(_adam_state(optimizer, base, key, shard, replica, first.key,
+                                           replica or not holds_first))
+    state = {"model": {**model_state, **objects}}
+    if optimizer is not None:
+        state["optimizer"] = optim_state
+    if distributed is not None:
+        state["megatron"] = {"distributed_optimizer": distributed_common(distributed)}
+    return state
+
+
+def _sharded_leaves(tree, path: str = ""):
+    """``(path, leaf)`` of a sharded state dict's nested dicts and lists."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _sharded_leaves(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _sharded_leaves(v, f"{path}[{i}]")
+    else:
+        yield path, tree
+
+
+def _mcore_kind(leaf) -> str | None:
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
+
+    if isinstance(leaf, ShardedTensor):
+        return "tensor"
+    if isinstance(leaf, ShardedTensorFactory):
+        return "factory"
+    if isinstance(leaf, ShardedObject):
+        return "object"
+    return None
+
+
+def _built(factory, name: str) -> list:
+    """The ShardedTensors a factory builds (SwiGLU halves, grouped experts...)."""
+    out = []
+    for path, leaf in _sharded_leaves(factory.build(), name):
+        kind = _mcore_kind(leaf)
+        if kind == "factory":
+            out += _built(leaf, path)
+        elif kind == "tensor":
+            out.append(leaf)
+        else:
+            raise UsageError(f"the factory at {name!r} builds {type(leaf).__name__}, not tensors")
+    return out
+
+
+def _is_main(replica_id) -> bool:
+    return all(r == 0 for r in replica_id) if isinstance(replica_id, tuple) else replica_id == 0
+
+
+def _offset_in(base: torch.Tensor, t, name: str) -> int:
+    """Element offset of the ShardedTensor ``t``'s data in the parameter ``base``: its data
+    must be a contiguous piece of the parameter's storage, so a load fills it in place."""
+    data = t.data
+    if getattr(t, "flattened_range", None) is not None:
+        raise UsageError(f"{t.key!r} at {name!r} is a flattened range (an old Megatron-Core "
+                         "distributed-optimizer form)", hint="Pass the model's sharded_state_dict()")
+    inside = (data.is_contiguous() and base.is_contiguous() and data.dtype == base.dtype
+              and data.untyped_storage().data_ptr() == base.untyped_storage().data_ptr())
+    offset = (data.data_ptr() - base.data_ptr()) // max(base.element_size(), 1) if inside else -1
+    if not inside or offset < 0 or offset + data.numel() > base.numel():
+        raise UsageError(f"{t.key!r} at {name!r} is not a contiguous view of its parameter, "
+                         "so it could not be loaded in place",
+                         hint="Describe this model with training.megatron.sharded_state and a ModelSpec")
+    return offset
+
+
+def _unstacked_region(t, name: str) -> Region:
+    """The canonical region of a ShardedTensor: a stacked key's layer axis (the first
+    prepended one) becomes the key's layer index; other prepended axes (experts) stay, with
+    length 1."""
+    shape, offsets, pre = tuple(t.global_shape), tuple(t.global_offset), t.prepend_axis_num
+    lengths = (1,) * pre + tuple(t.data.shape)
+    if len(lengths) != len(shape):
+        raise UsageError(f"{t.key!r} at {name!r}: data of shape {tuple(t.data.shape)} and "
+                         f"{pre} prepended axes do not make its global shape {shape}")
+    if pre and is_stacked(t.key):
+        return Region(layer_key(t.key, offsets[0]), shape[1:], offsets[1:], lengths[1:])
+    return Region(t.key, shape, offsets, lengths)
 
 
 def distributed_common(inners: list) -> dict:
@@ -210,4 +367,4 @@ def _adam_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str,
     return out
 
 
-__all__ = ["sharded_state"]
+__all__ = ["from_sharded_state_dict", "sharded_state"]

@@ -8,6 +8,7 @@ A state dict's leaves are:
   shared layout rules: fused QKV, SwiGLU halves, vocab padding, PP layer offsets);
 * a ``DTensor``: its placements give one box of the global tensor;
 * a plain tensor: the whole global tensor, replicated (rank 0 writes it);
+* :class:`Owned`: an object several ranks hold, written by the one whose copy is primary;
 * anything else: a replicated object (rank 0 writes it).
 
 :func:`describe` turns each leaf into :class:`Entry` records (global key, global shape,
@@ -37,6 +38,16 @@ class Sharded:
         if tuple(self.local.shape) != tuple(self.shard.shape):
             raise ValueError(f"local tensor has shape {tuple(self.local.shape)}, its shard "
                              f"{tuple(self.shard.shape)} ({self.shard.regions[0].key if self.shard.parts else '?'})")
+
+
+@dataclass
+class Owned:
+    """A non-tensor value held by several ranks (a Megatron-Core ``ShardedObject``, such as
+    Transformer Engine's ``_extra_state`` of a layer on another pipeline stage): the rank whose
+    copy is primary writes it, every rank loads it (the leaf becomes the value)."""
+
+    value: Any
+    replica: bool = False
 
 
 @dataclass

@@ -68,19 +68,26 @@ def is_stacked(key: str) -> bool:
     return not rest.split(".", 1)[0].isdigit()
 
 
+def layer_key(key: str, layer: int) -> str:
+    """The canonical key of layer ``layer`` of the stacked tensor ``key``:
+    ``decoder.layers.x`` -> ``decoder.layers.{layer}.x`` (the one unstacking rule: the
+    readers of stacked checkpoints and the hook's Megatron-Core adapter use it)."""
+    head, rest = key.split(STACKED, 1)
+    return f"{head}{STACKED}{layer}.{rest}"
+
+
 def split_layers(index: CheckpointIndex, key: str, info: TensorInfo, pieces: list[Piece]) -> None:
     """A stacked ``[L, ...]`` tensor becomes L per-layer tensors; each chunk, per-layer pieces."""
-    head, rest = key.split(STACKED, 1)
     shape = info.shape[1:]
     for l in range(info.shape[0]):
-        name = f"{head}{STACKED}{l}.{rest}"
+        name = layer_key(key, l)
         index.tensors[name] = TensorInfo(name, shape, info.dtype)
     for p in pieces:
         l0, n = p.region.offsets[0], p.region.lengths[0]
         if p.region.flat is not None:
             raise BadCheckpoint("flat-sharded stacked tensors are not supported", key=key)
         for i in range(n):
-            name = f"{head}{STACKED}{l0 + i}.{rest}"
+            name = layer_key(key, l0 + i)
             region = Region(name, shape, p.region.offsets[1:], p.region.lengths[1:])
             loc = Location(p.location.file, p.location.offset, p.location.length,
                            (STACK_TAG, i, p.region, p.location.detail))

@@ -10,6 +10,10 @@ saves through ``AsyncCheckpointer`` what ``training.megatron.sharded_state(ddp, 
 optimizer itself (:func:`tests.harness.mcore_distopt._truth`) and records the loss of a forward
 pass before and after a second step (the run that went on).
 
+A case with ``form="sharded_state_dict"`` describes the rank with
+``training.megatron.from_sharded_state_dict(model.sharded_state_dict(), optimizer=opt)``
+(Megatron-Core's own description) instead of the ModelSpec-based ``sharded_state``.
+
 ``resume`` builds the job at another TP/PP/DP, ``load_latest`` into the hook's description
 of the fresh optimizer, and does the same dumps and second step. ``native`` does the same
 with Megatron-Core's own loader instead of the hook: a ``torch_dist`` run root (what
@@ -45,13 +49,16 @@ def _described(ps, ddp, opt, c: dict):
     """The hook's description of this rank, and the manifest fields of the job."""
     from ckptool.core.topology import Topology
     from converters.schemas.megatron_args import spec_from_args
-    from training.megatron import sharded_state
+    from training.megatron import from_sharded_state_dict, sharded_state
 
     spec, _, _ = spec_from_args(D.megatron_args(c), true_vocab_size=c["vocab"])
     topo = Topology(tp=c["tp"], pp=c["pp"], dp=WORLD // (c["tp"] * c["pp"]))
-    state = sharded_state(ddp, spec, topo, tp_rank=ps.get_tensor_model_parallel_rank(),
-                          pp_rank=ps.get_pipeline_model_parallel_rank(),
-                          dp_rank=ps.get_data_parallel_rank(), optimizer=opt)
+    if c.get("form") == "sharded_state_dict":  # Megatron-Core's own description of the model
+        state = from_sharded_state_dict(ddp.module.sharded_state_dict(), optimizer=opt)
+    else:
+        state = sharded_state(ddp, spec, topo, tp_rank=ps.get_tensor_model_parallel_rank(),
+                              pp_rank=ps.get_pipeline_model_parallel_rank(),
+                              dp_rank=ps.get_data_parallel_rank(), optimizer=opt)
     return state, dict(topology=topo.to_dict(), model_config=asdict(spec), true_vocab_size=c["vocab"])
 
 
