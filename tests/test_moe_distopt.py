@@ -173,3 +173,38 @@ def test_chained_buckets_that_do_not_fit_the_args_are_refused_and_the_weights_st
     assert not (tmp_path / "out").exists()
     r = run_cli("reshard", src, tmp_path / "w", "--to-ep", 1, "--to-dp", 2, "--drop-optimizer")
     assert r.code == 0, r.err
+
+
+# ------------------------------------------------------------------- the training hook
+
+
+@pytest.fixture(scope="module")
+def hook_run(tmp_path_factory):
+    """The ep2 run (ChainedOptimizer, distributed) saved through the training hook, described
+    by Megatron-Core's own sharded_state_dict, with Megatron's opt_param_scheduler state."""
+    root = tmp_path_factory.mktemp("moe_hook")
+    HD.hook_save(root / "ep2", HD.CASES["ep2-fully_reshardable"])
+    return root
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_hook_checkpoint_converted_loads_through_megatron_lm_default_flags(hook_run, ep, tmp_path, run_cli):
+    """``ckptool convert STEP --to megatron-dist`` of the hook's checkpoint, loaded by
+    Megatron-LM 0.16.1's torch_dist ``load_checkpoint`` logic with default flags (args check,
+    no --no-load-rng, the optimizer and its opt_param_scheduler, which the hook stored one
+    object per field) at EP1 and EP2: bit-equal masters and moments, the same next loss."""
+    import ckptool
+
+    step = ckptool.latest(str(hook_run / "ep2")).path
+    r = run_cli("verify", step, "--deep")
+    assert r.code == 0, r.out + r.err
+    dst = tmp_path / "dist"
+    r = run_cli("convert", step, dst, "--to", "megatron-dist", "--to-ep", ep, "--to-dp", 2)
+    assert r.code == 0, r.err
+    case = dict(HD.CASES["ep2-fully_reshardable"], ep=ep)
+    loaded, = HD.load([dst], at=case)
+    saved = [torch.load(hook_run / "ep2.truth" / f"rank{r}.pt", weights_only=False)
+             for r in range(HD.WORLD)]
+    assert {d["ep"] for d in loaded} == set(range(ep))
+    assert_equal_states(H.canonical_state(loaded), H.canonical_state(saved))
+    assert loaded[0]["next_loss"] == pytest.approx(saved[0]["next_loss"], rel=1e-5)

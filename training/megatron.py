@@ -321,10 +321,12 @@ def _distributed_optimizers(optimizer) -> list | None:
 
 
 def _distributed_state(inners: list, param: torch.Tensor, key: str, shard: Shard, replica: bool,
-                       step_key: str, step_replica: bool, name: str) -> dict[str, Sharded]:
+                       canonical: str, step_replica: bool, name: str) -> dict[str, Sharded]:
     """The fp32 main param, Adam moments and step of this DP rank's range of ``param`` in a
-    DistributedOptimizer (nothing if the range is empty on this rank). The moments and the
-    step are created (zero) if the optimizer has not stepped yet, so a load fills them."""
+    DistributedOptimizer (nothing if the range is empty on this rank), under state dict keys
+    made from ``key`` and regions of the global tensors of ``canonical`` (a local expert's
+    ``key`` names it, its regions are the stacked experts'). The moments and the step are
+    created (zero) if the optimizer has not stepped yet, so a load fills them."""
     inner = next((o for o in inners if param in o.model_param_group_index_map), None)
     if inner is None:
         return {}
@@ -338,9 +340,9 @@ def _distributed_state(inners: list, param: torch.Tensor, key: str, shard: Shard
     state = adam_state(inner.optimizer, main, "training.megatron")
     out = {}
     for kind, buffer in (("fp32_param", main), *((k, state[k]) for k in ADAM_KINDS)):
-        k = state_key(kind, key)
-        out[k] = flat_entry(buffer.detach().view(-1), shard.parts, span.start, span.end, k, replica)
-    out[state_key("step", key)] = Sharded(state["step"], Shard.of(Region.whole(state_key("step", step_key), ())),
+        out[state_key(kind, key)] = flat_entry(buffer.detach().view(-1), shard.parts, span.start,
+                                               span.end, state_key(kind, canonical), replica)
+    out[state_key("step", key)] = Sharded(state["step"], Shard.of(Region.whole(state_key("step", canonical), ())),
                                           step_replica or span.start > 0)
     return out
 

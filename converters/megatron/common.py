@@ -94,6 +94,39 @@ def split_layers(index: CheckpointIndex, key: str, info: TensorInfo, pieces: lis
             index.tensors[name].pieces.append(Piece(region, loc))
 
 
+def adopt_dcp_common(opened) -> None:
+    """Megatron's common entries (:data:`CANONICAL_COMMON`: ``opt_param_scheduler``...) of a
+    DCP source (the save hook's, torch DCP's), which stores a dict one object per leaf
+    (``opt_param_scheduler.max_lr``...), become the one entry each that the Megatron writers
+    carry, as a Megatron source's reader gives it. Without it Megatron-LM's loader finds no
+    ``opt_param_scheduler`` and exits. Nothing happens for other sources."""
+    index, reader, store = opened.index, opened.reader, opened.store
+    if index.format != "dcp":
+        return
+    for key in CANONICAL_COMMON:
+        whole = index.objects.get(key)
+        if whole is not None:
+            if whole.value is None and whole.location is not None:
+                index.objects[key] = ObjectInfo(key, value=reader.read_object(store, whole))
+            continue
+        prefix = f"{key}."
+        tree: dict = {}
+        for name in sorted(k for k in index.objects if k.startswith(prefix)):
+            *parents, leaf = name[len(prefix):].split(".")
+            node = tree
+            for part in parents:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise UnreadableInput(f"the source's {key} entries nest under a value "
+                                          f"({name[:100]})", path=store.url)
+            if leaf in node:
+                raise UnreadableInput(f"the source's {key} entry {name[:100]} is given twice",
+                                      path=store.url)
+            node[leaf] = reader.read_object(store, index.objects[name])
+        if tree:
+            index.objects[key] = ObjectInfo(key, value=tree)
+
+
 def read_common(reader: Reader, store: Store, rel: str, index: CheckpointIndex,
                 distributed=None) -> None:
     """``common.pt`` (the same in both backends) into ``index``: ``args`` -> topology and

@@ -49,6 +49,7 @@ from converters.megatron.common import (
     OPTIMIZER,
     STACK_TAG,
     STACKED,
+    adopt_dcp_common,
     checkpoint_dir,
     is_stacked,
     metadata,
@@ -174,6 +175,7 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
 
     def bind(self, opened) -> None:
         distopt.adopt_hook_state(opened)  # a save-hook checkpoint of a distributed-optimizer job
+        adopt_dcp_common(opened)  # its opt_param_scheduler, stored one object per field
 
     def notes(self, index) -> list[str]:
         notes = ["torch_dist outputs hold no RNG state: their args say no_save_rng, so Megatron-LM's "

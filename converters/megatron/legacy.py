@@ -37,6 +37,7 @@ from ckptool.core.topology import Topology
 from ckptool.core.torchfile import Pending
 from ckptool.core.torchreader import TorchFileReader, save_target
 from converters.megatron import distopt
+from converters.megatron.common import adopt_dcp_common
 from converters.megatron import optimizer as optim
 from converters.schemas.megatron import (
     ITER_DIR,
@@ -487,6 +488,9 @@ class MegatronWriter(UnevenStages, Writer):
     def configure(self, *, megatron_lr_schedule: str | None = None, **options) -> None:
         super().configure(**options)
         self._schedule = optim.parse_schedule(megatron_lr_schedule) if megatron_lr_schedule else None
+
+    def bind(self, opened) -> None:
+        adopt_dcp_common(opened)  # a DCP source's opt_param_scheduler, stored one object per field
 
     def notes(self, index: CheckpointIndex) -> list[str]:
         """What a user resuming from the output must know."""

@@ -272,6 +272,7 @@ def _load(ps, ddp, opt, sched, c: dict, it: Path, common: dict, no_rng: bool) ->
     from megatron.core.optimizer import DistributedOptimizer
 
     ckpt_args = common["args"]
+    _check_checkpoint_args(ckpt_args, megatron_args(c))
     same_tp_pp = (ckpt_args.tensor_model_parallel_size, ckpt_args.pipeline_model_parallel_size) \
         == (c["tp"], c["pp"])
     meta = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
@@ -305,6 +306,20 @@ def _load(ps, ddp, opt, sched, c: dict, it: Path, common: dict, no_rng: bool) ->
     return state
 
 
+def _check_checkpoint_args(ckpt, job) -> None:
+    """Megatron-LM 0.16.1's ``check_checkpoint_args`` for a torch_dist load (checkpoint
+    version 3): the model fields must equal the job's (TP/PP are not compared)."""
+    for name, default in (("num_layers", None), ("hidden_size", None), ("num_attention_heads", None),
+                          ("add_position_embedding", True), ("max_position_embeddings", None),
+                          ("make_vocab_size_divisible_by", None)):
+        saved, own = getattr(ckpt, name, default), getattr(job, name, default)
+        if saved != own:
+            raise RuntimeError(f"{name} value from checkpoint ({saved}) is not equal to the input "
+                               f"argument value ({own})")  # Megatron-LM asserts
+    if getattr(ckpt, "checkpoint_version", 3.0) < 3.0:
+        raise RuntimeError("a torch_dist checkpoint of version < 3")
+
+
 def _load_worker(rank, checkpoints, at, no_rng, port):
     from megatron.core import dist_checkpointing
 
@@ -313,7 +328,9 @@ def _load_worker(rank, checkpoints, at, no_rng, port):
     for ckpt in checkpoints:
         it = iteration_dir(ckpt)
         common = dist_checkpointing.load_common_state_dict(str(it))
-        c = dict(case_from_args(common["args"]), **(at or {}))
+        # the resuming job's own launch flags: those of the checkpoint's args, or (``at`` with
+        # "sharding") a whole case, for checkpoints whose args hold only the model's fields
+        c = at if at and "sharding" in at else dict(case_from_args(common["args"]), **(at or {}))
         ps, ddp, opt = MD._setup(c)
         sched = _scheduler(opt, megatron_args(c))
         state = _load(ps, ddp, opt, sched, c, it, common, no_rng)
@@ -329,7 +346,8 @@ def generate(root: Path, cases: dict = CASES) -> None:
 
 def load(checkpoints: list[Path], at: dict | None = None, no_rng: bool = False) -> list[list[dict]]:
     """Load each run root into real mcore as Megatron-LM's loader does, at the topology of
-    its args (``at`` overrides case keys: ``{"ep": 1}``; ``no_rng`` is ``--no-load-rng``);
+    its args (``at`` overrides case keys: ``{"ep": 1}``, or is the whole case when it has
+    ``sharding``; ``no_rng`` is ``--no-load-rng``);
     each process's truth dump, with ``iteration`` and the ``next_loss`` of one more step."""
     M._spawn(_load_worker, WORLD, [str(c) for c in checkpoints], at, no_rng)
     return [[torch.load(f"{c}.loaded-rank{r}.pt", weights_only=False) for r in range(WORLD)]
@@ -342,3 +360,47 @@ def truth(root: Path, name: str) -> list[dict]:
 
 
 canonical_state = MD.canonical_state
+
+
+# ---------------------------------------------------------------- the training hook
+
+
+def _hook_worker(rank, c, root, port):
+    """The run of :func:`_generate_worker`, saved through the training hook instead: the rank
+    described by Megatron-Core's own ``sharded_state_dict`` (``from_sharded_state_dict``,
+    the ChainedOptimizer at EP > 1), with Megatron's ``opt_param_scheduler`` state beside it,
+    as docs/hook.md says."""
+    from dataclasses import asdict
+
+    from converters.schemas.megatron_args import spec_from_args
+    from training import AsyncCheckpointer
+    from training.megatron import from_sharded_state_dict
+
+    MD._init(rank, port)
+    ps, ddp, opt = MD._setup(c)
+    args = megatron_args(c)
+    sched = _scheduler(opt, args)
+    MD._seeded_grads(ps, ddp)
+    ok, _, _ = opt.step()
+    assert ok
+    sched.step(increment=args.global_batch_size)
+    spec, topo, _ = spec_from_args(args)
+    state = from_sharded_state_dict(_unwrap(ddp).sharded_state_dict(), optimizer=opt)
+    state["opt_param_scheduler"] = sched.state_dict()
+    ckpt = AsyncCheckpointer(root, topology=topo.to_dict(), model_config=asdict(spec),
+                             true_vocab_size=MD.MOE["vocab_size"])
+    ckpt.save(ITERATION, state)
+    ckpt.wait()
+    truth = Path(f"{root}.truth")
+    truth.mkdir(exist_ok=True)
+    dump = MD._truth(ps, ddp, opt, c)
+    dump["next_loss"] = MD._next_step(ddp, opt)
+    torch.save(dump, truth / f"rank{rank}.pt")
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def hook_save(root: Path, c: dict) -> None:
+    """Case ``c``'s run saved by the training hook at ``root``, its truth at ``root.truth``."""
+    M._spawn(_hook_worker, WORLD, c, str(root))
