@@ -122,3 +122,27 @@ def test_failed_write_raises_on_wait_and_commits_nothing(tmp_path, monkeypatch):
     state = {"w": torch.zeros(4)}
     assert AsyncCheckpointer(str(tmp_path / "run")).load_latest(state) == 1
     assert torch.equal(state["w"], torch.ones(4))
+
+
+def test_megatron_scheduler_of_a_hook_checkpoint_is_one_entry_for_the_megatron_writers(tmp_path):
+    """The hook stores ``state["opt_param_scheduler"]`` one DCP object per field; the Megatron
+    writers' ``adopt_dcp_common`` gives them back as the one dict Megatron-LM loads. Names
+    that nest under a value (a hostile or mangled source) are one clear refusal."""
+    import ckptool
+    from ckptool.checkpoints.open import open_checkpoint
+    from ckptool.core.errors import UnreadableInput
+    from converters.megatron.common import adopt_dcp_common
+    from training import AsyncCheckpointer
+
+    sched = {"max_lr": 0.01, "num_steps": 8, "decay_style": "cosine", "nested": {"a": 1}}
+    for name, value in (("good", sched), ("bad", {"a": 1, "a.b": 2})):
+        ckpt = AsyncCheckpointer(str(tmp_path / name))
+        ckpt.save(3, {"w": torch.ones(4), "opt_param_scheduler": value})
+        ckpt.wait()
+        opened = open_checkpoint(ckptool.latest(str(tmp_path / name)).path)
+        if name == "good":
+            adopt_dcp_common(opened)
+            assert opened.index.objects["opt_param_scheduler"].value == sched
+        else:
+            with pytest.raises(UnreadableInput, match="nest under a value"):
+                adopt_dcp_common(opened)
