@@ -4,6 +4,12 @@ throughput against `dd conv=fdatasync` on the same disk.
 
     python benchmarks/async_save.py [--size-gb 1.0] [--dir DIR] [--device cuda] [--writer process]
     python benchmarks/async_save.py --many-tensors 20000   # an optimizer-shaped state
+    python benchmarks/async_save.py --stacks [ARGS...]      # inside the stacks (below)
+
+``--stacks``: the hook inside Megatron-DeepSpeed (a PipelineEngine with TP) and Megatron-Core
+(GPTModel + DistributedOptimizer) against those stacks' own saves (``save_checkpoint``;
+``dist_checkpointing.save`` sync and async), in the same run: the rest of the command line
+goes to ``benchmarks/async_save_stacks.py``, which does it (``--help`` there).
 
 "Blocking" is the time until the call returns (training could continue). For the async
 ones the time until the checkpoint is durable is measured too (wait()/future.result()).
@@ -64,6 +70,13 @@ def copy_floor(state: dict) -> float:
 
 def main() -> None:
     import torch.distributed.checkpoint as dcp
+
+    if "--stacks" in sys.argv[1:2]:  # the two training stacks: their own script, same run
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import async_save_stacks
+
+        sys.argv = [sys.argv[0], *sys.argv[2:]]
+        return async_save_stacks.main()
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-gb", type=float, default=1.0)
