@@ -51,7 +51,7 @@ from ckptool.core.regions import Region, Shard
 from ckptool.core.topology import Topology
 from converters.megatron.common import is_stacked, layer_key
 from converters.schemas.megatron import SCHEMAS, detect_schema
-from training.state import ADAM_KINDS, Sharded, adam_state, flat_entry
+from training.state import ADAM_KINDS, Owned, Sharded, adam_state, flat_entry
 
 
 
@@ -148,8 +148,6 @@ def from_sharded_state_dict(model_sd, *, optimizer=None) -> dict:
     ``dp_reshardable`` is bucket space (fixed TP/PP) and ``fully_reshardable`` gathers every
     DP rank's state on DP rank 0 at save, which would stall training.
     """
-    from training.state import Owned
-
     chunks = model_sd if isinstance(model_sd, (list, tuple)) else [model_sd]
     params: dict[int, list] = {}  # id(base) -> [base, parts, replica_id, name]
     objects = {}
