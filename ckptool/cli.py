@@ -10,6 +10,7 @@ and ``--version`` stay fast.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from typing import Any
 
 import click
 
-from ckptool.core import VERSION, progress
+from ckptool.core import VERSION, gcpause, progress
 from ckptool.core.errors import CkptoolError, NoCheckpoint, UsageError
 
 
@@ -536,6 +537,7 @@ def _total_bytes(url: str) -> int | None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = _literal_targets(list(sys.argv[1:] if argv is None else argv))
+    gcpause.freeze_builds(True)  # a command's index lives until it ends: never walked again
     try:
         cli.main(args=argv, prog_name="ckptool", standalone_mode=False)
     except click.exceptions.Abort:
@@ -557,6 +559,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     finally:
         progress.disable()  # a command's setting, not the process's (main runs in tests too)
+        gcpause.freeze_builds(False)
+        gc.unfreeze()
 
 
 if __name__ == "__main__":

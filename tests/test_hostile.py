@@ -291,6 +291,12 @@ CASES = [
         _storage(m, "model.norm.weight"), "offset", _storage(m, "model.layers.0.bias").offset)), "overlap"),
     Case("dcp-chunk-outside", "dcp", lambda c: _edit_metadata(c.ckpt, lambda m: _chunk_outside(m)),
          "is outside"),
+    Case("dcp-negative-length", "dcp", lambda c: _edit_metadata(c.ckpt, lambda m: setattr(
+        _storage(m, "model.norm.weight"), "length", -1)), "malformed storage entry"),
+    Case("dcp-storage-not-a-record", "dcp", lambda c: _edit_metadata(c.ckpt, lambda m: m.storage_data.update(
+        {next(iter(m.storage_data)): "__0_0.distcp"})), "malformed storage entry"),
+    Case("dcp-duplicate-storage", "dcp", lambda c: _edit_metadata(c.ckpt, _duplicate_entry),
+         "two storage entries"),
     Case("megatron-zip-renamed-record", "megatron", lambda c: _rename_local_record(_meg_rank_file(c.ckpt)),
          "in its local header", codes={"inspect": 1}),
     Case("megatron-truncated", "megatron", lambda c: truncate(_meg_rank_file(c.ckpt, 1), 4096),
@@ -322,6 +328,14 @@ def _huge_last_length(meta) -> None:
     """The file's last item claims 2**60 bytes."""
     last = max(meta.storage_data.values(), key=lambda info: info.offset)
     last.length = 1 << 60
+
+
+def _duplicate_entry(meta) -> None:
+    """Two storage entries for one chunk: a real dict never holds equal keys, so the second is
+    changed after it went in (the pickle then holds both)."""
+    first, second = list(meta.storage_data)[:2]
+    object.__setattr__(second, "fqn", first.fqn)
+    object.__setattr__(second, "offset", first.offset)
 
 
 def _huge_dcp_tensor(meta) -> None:

@@ -68,49 +68,74 @@ class DcpContainerReader(Reader):
 
     @staticmethod
     def _index_storage(store, storage, by_fqn, spans, contained, index, step) -> None:
-        for n, (mindex, info) in enumerate(storage.items()):
-            if not n & 4095:
-                step.advance(4096 if n else 0)
-            fqn = getattr(mindex, "fqn", None)
-            _check_storage_info(store, fqn, info, contained)
-            offset = tuple(mindex.offset) if mindex.offset is not None else None
-            by_fqn[(fqn, offset)] = info
-            end = info.offset + info.length
-            index.files[info.relative_path] = max(index.files.get(info.relative_path, 0), end)
-            spans.setdefault(info.relative_path, []).append((info.offset, end, fqn))
+        # One pass per chunk, written out: at 2M chunks every call and attribute counts.
+        # Anything but the records DCP writes fails an attribute read or a type test here.
+        files = index.files
+        n = 0
+        try:
+            for mindex, info in storage.items():
+                n += 1
+                if not n & 4095:
+                    step.advance(4096)
+                fqn, path, offset, length = mindex.fqn, info.relative_path, info.offset, info.length
+                if (type(fqn) is not str or type(path) is not str or type(offset) is not int
+                        or type(length) is not int or offset < 0 or length < 0
+                        or not (path in contained or _contain(store, path, fqn, contained))):
+                    _bad_storage_info(store, fqn, info)
+                at = mindex.offset
+                key = (fqn, tuple(at) if at is not None else None)
+                if key in by_fqn:
+                    raise BadCheckpoint(f"two storage entries for the chunk at {list(key[1] or ())}",
+                                        path=store.display(METADATA), key=fqn)
+                details = info.transform_descriptors
+                by_fqn[key] = Location(path, offset, length, tuple(details) if details else None)
+                end = offset + length
+                if end > files.get(path, -1):
+                    files[path] = end
+                found = spans.get(path)
+                if found is None:
+                    found = spans[path] = []
+                found.append((offset, end, fqn))
+        except (AttributeError, TypeError) as exc:  # not DCP's records: a damaged or crafted file
+            raise BadCheckpoint(f"malformed storage entry ({type(exc).__name__})",
+                                path=store.display(METADATA)) from None
 
     @staticmethod
     def _index_tensors(store, meta, by_fqn, index, step) -> None:
+        source = store.display(METADATA)
         for key, entry in meta.state_dict_metadata.items():
             if entry.chunks is None:  # BytesStorageMetadata
-                info = by_fqn.get((key, None))
-                index.objects[key] = ObjectInfo(key, _location(info) if info else None)
+                location = by_fqn.get((key, None))
+                index.objects[key] = ObjectInfo(key, location)
                 continue
             dtype = getattr(entry.properties, "dtype", None)
             if not is_dtype(dtype):
-                raise BadCheckpoint("tensor has no dtype", path=store.display(METADATA), key=key)
+                raise BadCheckpoint("tensor has no dtype", path=source, key=key)
             shape = _sizes(entry.size, store, key)
             tensor = TensorInfo(key, shape, dtype)
             itemsize = dtype.itemsize
-            for chunk in entry.chunks:
+            pieces = tensor.pieces
+            try:
+                chunks = list(entry.chunks)
+            except TypeError:
+                raise BadCheckpoint("tensor's chunk list is malformed", path=source, key=key) from None
+            for chunk in chunks:
                 offsets, sizes = _sizes(chunk.offsets, store, key), _sizes(chunk.sizes, store, key)
-                info = by_fqn.get((key, offsets))
-                if info is None:
+                location = by_fqn.get((key, offsets))
+                if location is None:
                     raise BadCheckpoint(f"chunk at {list(offsets)} has no storage entry",
-                                        path=store.display(METADATA), key=key)
+                                        path=source, key=key)
                 try:
                     region = Region(key, shape, offsets, sizes)
                 except ValueError as exc:
-                    raise BadCheckpoint(str(exc), path=store.display(METADATA), key=key) from None
-                location = _location(info)
-                if not location.detail and region.numel * itemsize > info.length:
+                    raise BadCheckpoint(str(exc), path=source, key=key) from None
+                if not location.detail and region.numel * itemsize > location.length:
                     raise BadCheckpoint(f"chunk at {list(offsets)} of {list(sizes)} elements needs "
                                         f"{region.numel * itemsize} bytes, its storage "
-                                        f"entry holds {info.length}", path=store.display(METADATA),
-                                        key=key)
-                tensor.pieces.append(Piece(region, location))
+                                        f"entry holds {location.length}", path=source, key=key)
+                pieces.append(Piece(region, location))
             index.tensors[key] = tensor
-            step.advance(len(tensor.pieces))
+            step.advance(len(pieces))
 
     def _archive(self, store: Store, piece: Piece) -> TorchFile | None:
         """The chunk's torch.save archive, read by byte range; None for other encodings."""
@@ -244,22 +269,25 @@ def _sizes(values, store: Store, key: str) -> tuple[int, ...]:
     raise BadCheckpoint(f"malformed sizes {str(values)[:60]}", path=store.display(METADATA), key=key)
 
 
-def _check_storage_info(store: Store, fqn, info, contained: set) -> None:
-    """A storage entry names a file inside the checkpoint and a byte range of it
-    (``contained``: the paths already found inside, each resolved once)."""
+def _contain(store: Store, path: str, fqn: str, contained: set) -> bool:
+    """``path`` (named by the entry of ``fqn``) is inside the checkpoint, else PathEscape;
+    each path is resolved once (256 files, not 874k chunks)."""
+    store.contained(path, named_by=METADATA, key=fqn)
+    contained.add(path)
+    return True
+
+
+def _bad_storage_info(store: Store, fqn, info) -> None:
+    """Raise for a storage entry that does not name a key, a file inside the checkpoint and a
+    byte range of it."""
     if not isinstance(fqn, str):
         raise BadCheckpoint("a storage entry has no key", path=store.display(METADATA))
     path = getattr(info, "relative_path", None)
-    if not (isinstance(path, str) and path in contained):
-        store.contained(path, named_by=METADATA, key=fqn)
-        if isinstance(path, str):
-            contained.add(path)
-    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-    if not path or type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-        raise BadCheckpoint(f"malformed storage entry ({str(path)[:60]}, offset "
-                            f"{str(getattr(info, 'offset', None))[:20]}, length "
-                            f"{str(getattr(info, 'length', None))[:20]})",
-                            path=store.display(METADATA), key=fqn)
+    store.contained(path, named_by=METADATA, key=fqn)
+    raise BadCheckpoint(f"malformed storage entry ({str(path)[:60]}, offset "
+                        f"{str(getattr(info, 'offset', None))[:20]}, length "
+                        f"{str(getattr(info, 'length', None))[:20]})",
+                        path=store.display(METADATA), key=fqn)
 
 
 def _check_disjoint(store: Store, spans: dict[str, list[tuple[int, int, str]]]) -> None:
@@ -273,11 +301,6 @@ def _check_disjoint(store: Store, spans: dict[str, list[tuple[int, int, str]]]) 
                     break
                 raise BadCheckpoint(f"the bytes of {key!r} and {other!r} overlap in {path}",
                                     path=store.display(METADATA))
-
-
-def _location(info) -> Location:
-    transforms = tuple(getattr(info, "transform_descriptors", None) or ())
-    return Location(info.relative_path, info.offset, info.length, transforms or None)
 
 
 class _Window:

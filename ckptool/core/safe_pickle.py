@@ -234,36 +234,29 @@ class _TensorProperties(Record):
             else self.fields().get("dtype")
 
 
-class _MetadataIndex(Record):
-    """DCP's MetadataIndex, a dict key of every chunk's storage entry: hashed from its fields
-    (a tuple hash, not a walk of its whole state; equal records have equal fields)."""
+class ChunkRecord:
+    """One of DCP's per-chunk records in a ``.metadata`` (``MetadataIndex``,
+    ``ChunkStorageMetadata``, ``_StorageInfo``), as lean as the C unpickler can build it: no
+    Python ``__new__`` or ``__setstate__`` (its pickled fields become instance attributes in
+    C), an identity hash (``storage_data`` is a dict keyed by them: the reader indexes the
+    items itself, and refuses two entries for one chunk). A ``.metadata`` of 2M chunks holds
+    6M of these. Fields a version does not pickle read as None. Only
+    :func:`load_dcp_metadata` builds them; they are read, never written back."""
 
-    def __hash__(self):
-        d = self.__dict__
-        h = d.get("_hash")
-        if h is None:
-            state = d.get("_state")
-            try:
-                if type(state) is not dict:
-                    raise TypeError
-                h = hash((state.get("fqn"), state.get("offset"), state.get("index"), len(state)))
-            except TypeError:
-                return Record.__hash__(self)
-            d["_hash"] = h
-        return h
+    unsafe = False
+    fqn = offset = index = None  # MetadataIndex
+    offsets = sizes = None  # ChunkStorageMetadata
+    relative_path = length = transform_descriptors = None  # _StorageInfo
 
 
-class _StorageInfo(Record):
-    """DCP's _StorageInfo: ``transform_descriptors`` is absent from older versions' records
-    (a field the pickle holds is an attribute of the instance, which this default never
-    hides)."""
+_CHUNK_RECORDS = {
+    (module, name): type(name, (ChunkRecord,), {"__module__": "ckptool.record", "_module": module})
+    for module, name in (("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+                         ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+                         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"))}
 
-    transform_descriptors = None
 
-
-_RECORD_BASES = {("torch.distributed.checkpoint.metadata", "TensorProperties"): _TensorProperties,
-                 ("torch.distributed.checkpoint.metadata", "MetadataIndex"): _MetadataIndex,
-                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo}
+_RECORD_BASES = {("torch.distributed.checkpoint.metadata", "TensorProperties"): _TensorProperties}
 
 
 # ------------------------------------------------------------------------ the allowlist
@@ -519,6 +512,15 @@ class Unpickler(pickle.Unpickler):
         return record_class(module, name, unsafe=True)
 
 
+class _MetadataUnpickler(Unpickler):
+    """The unpickler of a DCP ``.metadata``: DCP's per-chunk classes stand as
+    :class:`ChunkRecord`\\ s."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        lean = _CHUNK_RECORDS.get((module, name))
+        return lean if lean is not None else super().find_class(module, name)
+
+
 def _newobj(cls, *args):
     """``copyreg.__newobj__``: ``cls.__new__`` of a stand-in class; anything else refused."""
     if isinstance(cls, type) and issubclass(cls, Record) or _TRUST:
@@ -561,7 +563,7 @@ def load_dcp_metadata(data: bytes, source: str) -> Any:
     ``chunks``, ``offsets``...), so readers use them as DCP documents them.
     """
     with progress.step(f"reading {posixpath.basename(source)}", len(data), "B") as step:
-        unpickler = Unpickler(_Counted(data, step))
+        unpickler = _MetadataUnpickler(_Counted(data, step))
         try:
             meta = unpickler.load()
         except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError,
