@@ -146,3 +146,29 @@ def test_deep_verify_counts_nan_and_inf_without_torch_as_torch_does(tmp_path):
                          "b": "tensor holds 2 NaN and 1 Inf values (of 5000)",
                          "h": "tensor holds 0 NaN and 1 Inf values (of 999)"}, (path, found)
         assert report["pieces_read"] == 5
+
+
+def test_deep_verify_reads_pieces_it_cannot_scan_in_place_through_torch(tmp_path):
+    """Chunks of DCP's safetensors serialization are not plain bytes at a known offset of a
+    torch.save record: the scan cannot read them as it hashes, so ``verify --deep`` loads torch
+    after the pass and reads them as tensors. The findings equal those of a process that had
+    torch from the start."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    path = tmp_path / "st"
+    state = {"a": torch.randn(40, 3), "b": torch.randn(100).bfloat16(), "n": torch.arange(5)}
+    state["a"][7, 1] = float("nan")
+    state["b"][99] = -float("inf")
+    dcp.save(state, storage_writer=FileSystemWriter(
+        str(path), serialization_format=SerializationFormat.SAFETENSORS))
+    light, imported, code = _run("verify", "--deep", path, "--json")
+    assert code == 1 and imported
+    full, _, code = _run("verify", "--deep", path, "--json", preload_torch=True)
+    assert code == 1 and json.loads(light) == json.loads(full)
+    report = json.loads(light)
+    assert {p["key"]: p["message"] for p in report["problems"]} == {
+        "a": "tensor holds 1 NaN and 0 Inf values (of 120)",
+        "b": "tensor holds 0 NaN and 1 Inf values (of 100)"}
+    assert report["pieces_read"] == 3

@@ -103,9 +103,8 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
     except CkptoolError as exc:
         index_error = exc
     plan = _plan_deep(store, reader, index) if deep and index is not None else None
-    if plan is not None and _needs_torch(plan, index) and "torch" not in sys.modules:
-        # Pieces the scan cannot read in place are read as tensors: read the index again
-        # with torch loaded, so that its dtypes (and the reader's archives) are torch's.
+    if plan is not None and any(t.replicas for t in index.tensors.values()) \
+            and "torch" not in sys.modules:  # replicas are compared as tensors
         import torch  # noqa: F401
 
         reader = converters.reader(fmt)
@@ -113,7 +112,20 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
         plan = _plan_deep(store, reader, index)
     if manifest is not None:
         _check_manifest(check, manifest, actual, strict, workers, progress,
-                        plan.scans if plan else None)
+                        {rel: plan.planner(rel) for rel in plan.files} if plan else None)
+    if plan is not None:
+        unread = [rel for rel in plan.files if rel not in check.scanned and rel not in check.bad_files]
+        if unread:  # no manifest entry hashed them: read them for the scan alone
+            hash_files(store, unread, workers=workers, progress=progress, digest=False,
+                       scans={rel: plan.planner(rel) for rel in unread})
+        if plan.pieces and "torch" not in sys.modules:
+            # Pieces the scan cannot read in place are read as tensors: read the index again
+            # with torch loaded, so that its dtypes (and the reader's archives) are torch's.
+            import torch  # noqa: F401
+
+            reader = converters.reader(fmt)
+            index = merge_manifest(read_index(reader, store), manifest)
+            _torch_pieces(plan, index)
     if index_error is not None:
         # A file the manifest already condemned may fail in any way; otherwise only a
         # bad checkpoint (or a pickle ckptool will not load) is a finding, and unreadable
@@ -148,7 +160,7 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
 
 def _check_manifest(check: _Check, manifest: Manifest, actual: dict[str, int], strict: bool,
                     workers: int, progress: Progress | None,
-                    scans: dict[str, FileScan] | None = None) -> None:
+                    scans: dict[str, Callable[[], FileScan]] | None = None) -> None:
     to_hash = []
     for entry in manifest.files:
         size = actual.get(entry.path)
@@ -194,47 +206,66 @@ def _check_structure(check: _Check, index: CheckpointIndex, actual: dict[str, in
 @dataclass
 class _DeepPlan:
     """What ``--deep`` reads. Pieces stored as plain bytes are scanned per file while the
-    files are hashed: one pass over the bytes, no torch. The rest go through the reader."""
+    files are hashed: one pass over the bytes, no torch. The rest go through the reader.
 
-    scans: dict[str, FileScan] = field(default_factory=dict)
+    Where each piece's bytes are is found per file, by the worker that hashes the file, just
+    before it does (:meth:`planner`): finding them opens each piece's archive (Python, holding
+    the GIL), which then runs beside the other workers' hashing (C, without it)."""
+
+    store: Store
+    reader: Reader
+    files: dict[str, list] = field(default_factory=dict)  # file -> (key, piece, dtype) it holds
+    scans: dict[str, FileScan] = field(default_factory=dict)  # filled as files are planned
     spanned: dict[str, int] = field(default_factory=dict)  # file -> pieces the scan reads
     pieces: list = field(default_factory=list)  # (key, piece, dtype) read through the reader
     errors: list = field(default_factory=list)  # (file, CkptoolError) found while planning
 
+    def planner(self, rel: str) -> Callable[[], FileScan]:
+        return lambda: self._plan_file(rel)
 
-def _plan_deep(store: Store, reader: Reader, index: CheckpointIndex) -> _DeepPlan:
-    plan, spans = _DeepPlan(), {}
-    for key, tensor in index.tensors.items():
-        kind = float_kind(tensor.dtype)
-        for piece in tensor.pieces:
+    def _plan_file(self, rel: str) -> FileScan:
+        spans, local, spanned = [], self.store.is_local, 0
+        for key, piece, dtype in self.files[rel]:
             try:
-                where = reader.raw_span(store, piece, tensor.dtype) if store.is_local else None
+                where = self.reader.raw_span(self.store, piece, dtype) if local else None
             except CkptoolError as exc:
-                plan.errors.append((piece.location.file, exc))
+                self.errors.append((rel, exc))
                 continue
             if where is None:
-                plan.pieces.append((key, piece, tensor.dtype))
+                self.pieces.append((key, piece, dtype))
                 continue
-            rel, offset = where
-            plan.spanned[rel] = plan.spanned.get(rel, 0) + 1
-            found = spans.setdefault(rel, [])
+            spanned += 1
+            kind = float_kind(dtype)
             if kind:  # integers are read back by the pass alone: their bytes hold no NaN
-                found.append(Span(offset, piece.region.numel * tensor.dtype.itemsize, kind, key))
-    plan.scans = {rel: FileScan(found) for rel, found in spans.items()}
+                spans.append(Span(where[1], piece.region.numel * dtype.itemsize, kind, key))
+        self.spanned[rel] = spanned
+        scan = self.scans[rel] = FileScan(spans)
+        return scan
+
+
+def _plan_deep(store: Store, reader: Reader, index: CheckpointIndex) -> _DeepPlan:
+    plan = _DeepPlan(store, reader)
+    for key, tensor in index.tensors.items():
+        for piece in tensor.pieces:
+            found = plan.files.get(piece.location.file)
+            if found is None:
+                found = plan.files[piece.location.file] = []
+            found.append((key, piece, tensor.dtype))
     return plan
 
 
-def _needs_torch(plan: _DeepPlan, index: CheckpointIndex) -> bool:
-    return bool(plan.pieces) or any(t.replicas for t in index.tensors.values())
+def _torch_pieces(plan: _DeepPlan, index: CheckpointIndex) -> None:
+    """The pieces the scan could not read in place, again from ``index`` (read with torch
+    loaded, so that its dtypes and the reader's archives are torch's)."""
+    wanted = {(key, p.location.file, p.location.offset) for key, p, _ in plan.pieces}
+    plan.pieces = [(key, p, t.dtype) for key, t in index.tensors.items() for p in t.pieces
+                   if (key, p.location.file, p.location.offset) in wanted]
 
 
 def _check_deep(check: _Check, reader: Reader, index: CheckpointIndex, plan: _DeepPlan,
                 progress: Progress | None, workers: int = 2) -> None:
     store = check.store
     counts: dict[str, list[int]] = {}
-    unread = [rel for rel in plan.scans if rel not in check.scanned and rel not in check.bad_files]
-    if unread:  # no manifest entry hashed them: read them for the scan alone
-        hash_files(store, unread, workers=workers, progress=progress, scans=plan.scans)
     for rel, scan in plan.scans.items():
         if rel in check.bad_files:  # condemned already (missing, truncated, changed)
             continue

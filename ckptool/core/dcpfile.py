@@ -156,12 +156,14 @@ class DcpContainerReader(Reader):
                 raise BadCheckpoint(f"data file is truncated: wanted bytes {loc.offset}.."
                                     f"{loc.offset + loc.length}, the file has {reader.size}",
                                     path=store.display(loc.file))
-            if reader(loc.offset, loc.offset + 4) != _ZIP_MAGIC:
+            window = _Window(reader, loc.offset, loc.length)
+            window.edges(True)
+            if window(0, 4) != _ZIP_MAGIC:
                 cache[key] = None
             else:
-                cache[key] = torchfile.TorchFile(_Window(reader, loc.offset), loc.length,
-                                                 store.display(loc.file))
+                cache[key] = torchfile.TorchFile(window, loc.length, store.display(loc.file))
                 self.note_unsafe(store.display(loc.file), cache[key].unsafe, piece.region.key)
+            window.edges(False)
         return cache[key]
 
     def _ref(self, store: Store, piece: Piece, dtype: torch.dtype):
@@ -304,12 +306,39 @@ def _check_disjoint(store: Store, spans: dict[str, list[tuple[int, int, str]]]) 
 
 
 class _Window:
-    """Byte ranges of one item inside a ``.distcp`` file, as offsets from the item's start."""
+    """Byte ranges of one item inside a ``.distcp`` file, as offsets from the item's start.
 
-    def __init__(self, reader, base: int):
-        self._reader, self._base = reader, base
+    Opening a chunk's archive reads ~20 small ranges (its zip records sit at the start and
+    the end of the item, the tensor's bytes between): while :meth:`edges` is on, the first
+    and last ``EDGE`` bytes are read once each and the small reads served from them."""
+
+    EDGE = 8192
+
+    def __init__(self, reader, base: int, length: int | None = None):
+        self._reader, self._base, self._length = reader, base, length
+        self._head = self._tail = None
+
+    def edges(self, on: bool) -> None:
+        """Serve small reads from the item's two edges (on), or drop them (off: an opened
+        archive keeps its window for reading data, and 874k chunks must not keep 16 KiB each)."""
+        self._head = self._tail = None
+        self._edges = on
+
+    _edges = False
 
     def __call__(self, start: int, end: int) -> bytes:
+        n = self._length
+        if self._edges and n is not None and 0 <= start <= end:
+            edge = self.EDGE
+            if end <= edge:
+                if self._head is None:
+                    self._head = self._reader(self._base, self._base + min(n, edge))
+                return self._head[start:end]
+            if start >= n - edge:
+                at = max(0, n - edge)
+                if self._tail is None:
+                    self._tail = self._reader(self._base + at, self._base + n)
+                return self._tail[start - at:end - at]
         return self._reader(self._base + start, self._base + end)
 
     def readinto(self, start: int, out) -> int:

@@ -236,11 +236,23 @@ def _fileno(raw) -> int | None:
         return None
 
 
+class _NoDigest:
+    """What stands for the hash where only the scan is wanted (a file no manifest lists)."""
+
+    def update(self, data) -> None:
+        pass
+
+    def hexdigest(self) -> None:
+        return None
+
+
 def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = None,
-              scan: FileScan | None = None) -> tuple[int, str]:
+              scan: FileScan | None = None, digest: bool = True) -> tuple[int, str | None]:
     """(size, xxh3-128 hex) of one file, streamed in large blocks; each block also goes
-    through ``scan`` (``verify --deep``'s NaN/Inf test) while it is in cache."""
-    h = xxhash.xxh3_128()
+    through ``scan`` (``verify --deep``'s NaN/Inf test) while it is in cache. Without
+    ``digest`` the hash is None and only the scan reads (a local file without spans is not
+    read at all)."""
+    h = xxhash.xxh3_128() if digest else _NoDigest()
     size = 0
     mapped = None
     if store.is_local:
@@ -249,6 +261,10 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
         # read in blocks, below).
         with store.open_file(rel, "rb") as f:  # contained, a regular file
             size = os.fstat(f.fileno()).st_size
+            if not digest and (scan is None or not scan.spans):
+                if progress:
+                    progress(size)
+                return size, None
             # with a scan, blocks small enough to stay in the core's cache between the hash
             # and the scan: the pair then runs at the speed of one pass over memory
             step = SCAN_BLOCK if scan is not None and scan.spans else _MAPPED_BLOCK
@@ -260,15 +276,21 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
                 with mapped as m:
                     if hasattr(m, "madvise"):
                         m.madvise(mmap.MADV_SEQUENTIAL)
-                    with memoryview(m) as view:
-                        for start in range(0, size, step):
-                            block = view[start:start + step]
-                            h.update(block)
-                            if scan is not None:
-                                scan.feed(start, block)
-                            if progress:
-                                progress(len(block))
-                            block.release()
+                    if scan is not None and scan.spans:
+                        scan.bind(m)
+                    try:
+                        with memoryview(m) as view:
+                            for start in range(0, size, step):
+                                block = view[start:start + step]
+                                h.update(block)
+                                if scan is not None:
+                                    scan.feed(start, block)
+                                if progress:
+                                    progress(len(block))
+                                block.release()
+                    finally:
+                        if scan is not None:
+                            scan.release()  # its views of the mapping, before it closes
     if not store.is_local or (mapped is None and size):
         size = 0
         with store.open_file(rel, "rb", block_size=_BLOCK) as f:
@@ -284,16 +306,19 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
 
 def hash_files(store: Store, rels: Iterable[str], *, workers: int = 2,
                progress: Callable[[int], Any] | None = None,
-               scans: dict[str, FileScan] | None = None,
-               sizes: dict[str, int] | None = None) -> dict[str, tuple[int, str]]:
+               scans: dict[str, Callable[[], FileScan]] | None = None,
+               sizes: dict[str, int] | None = None,
+               digest: bool = True) -> dict[str, tuple[int, str | None]]:
     """Hash many files in parallel (xxhash and the scans release the GIL), the largest
-    first where ``sizes`` are known, so that the workers finish together; ``scans`` go
-    along with their files. Missing files raise."""
+    first where ``sizes`` are known, so that the workers finish together. ``scans`` go along
+    with their files: each is made by its worker just before the file is read (making one
+    may take a while: it then overlaps the other workers' reading). Missing files raise."""
     rels = list(rels)
     scans = scans or {}
 
     def one(rel: str) -> tuple[int, str]:
-        return hash_file(store, rel, progress, scans.get(rel))
+        make = scans.get(rel)
+        return hash_file(store, rel, progress, make() if make is not None else None, digest)
 
     if workers <= 1 or len(rels) <= 1:
         return {r: one(r) for r in rels}
