@@ -59,6 +59,23 @@ def test_light_commands_import_no_torch_and_say_the_same(run_root, command):
         {k: v for k, v in json.loads(full).items() if k not in drop}
 
 
+def test_a_command_in_process_leaves_the_collector_as_it_was(run_root, capsys):
+    """A command freezes what it builds (its index is never collected again) and thaws it when
+    it ends: ``main`` runs inside other processes (tests, a training job's tooling), whose
+    objects must not stay out of the collector's reach."""
+    import gc
+
+    from ckptool.cli import main
+
+    gc.collect()
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    with pytest.raises(SystemExit) as done:
+        main(["verify", str(sorted(run_root.glob("step_*"))[-1])])
+    assert done.value.code == 0
+    main(["inspect", str(run_root)])
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+
+
 def test_light_verify_still_finds_a_flipped_byte(run_root, tmp_path):
     import shutil
 

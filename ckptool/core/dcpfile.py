@@ -78,8 +78,8 @@ class DcpContainerReader(Reader):
                 if not n & 4095:
                     step.advance(4096)
                 fqn, path, offset, length = mindex.fqn, info.relative_path, info.offset, info.length
-                if (type(fqn) is not str or type(path) is not str or type(offset) is not int
-                        or type(length) is not int or offset < 0 or length < 0
+                if (type(fqn) is not str or type(path) is not str or not path
+                        or type(offset) is not int or type(length) is not int or offset < 0 or length < 0
                         or not (path in contained or _contain(store, path, fqn, contained))):
                     _bad_storage_info(store, fqn, info)
                 at = mindex.offset
