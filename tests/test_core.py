@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -82,6 +83,48 @@ def test_a_box_read_into_another_dtype_is_converted(tmp_path):
     out = torch.empty(12, dtype=torch.bfloat16)
     archive.read_into(archive.obj["w"], 9, out)
     assert torch.equal(out, value.reshape(-1)[9:21].bfloat16())
+
+
+def _with_byteorder(raw: bytes, order: bytes) -> bytes:
+    """A torch.save archive whose ``byteorder`` record says ``order`` (the rest unchanged)."""
+    import io
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(raw)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            dst.writestr(info.filename, order if info.filename.endswith("/byteorder") else data)
+    return out.getvalue()
+
+
+def test_a_big_endian_torch_save_archive_is_refused_never_read_as_little_endian(tmp_path, run_cli):
+    """torch.save records the writer's byte order; torch.load byteswaps a big-endian file. ckptool
+    reads raw bytes as little-endian, so it refuses such a file (exit 2, one line) rather than
+    read every value wrong. A Megatron rank file saved on a big-endian machine stands here."""
+    from ckptool.core.errors import BadCheckpoint, UnsupportedFormat
+    from ckptool.core.torchfile import TorchFile
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(6.0)}, buf)
+    for order, error, words in [(b"big", UnsupportedFormat, "big-endian"),
+                                (b"middle", BadCheckpoint, "byteorder")]:
+        raw = _with_byteorder(buf.getvalue(), order)
+        with pytest.raises(error, match=words):
+            TorchFile(lambda a, b, raw=raw: raw[a:b], len(raw), "f.pt")
+    little = _with_byteorder(buf.getvalue(), b"little")
+    archive = TorchFile(lambda a, b: little[a:b], len(little), "f.pt")
+    assert torch.equal(archive.load(archive.obj["w"]), torch.arange(6.0))
+
+    ckpt = tmp_path / "iter_0000001" / "mp_rank_00"
+    ckpt.mkdir(parents=True)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    state = io.BytesIO()
+    torch.save({"iteration": 1, "model": {"language_model": {"embedding": {"word_embeddings": {
+        "weight": torch.randn(8, 4)}}}}, "checkpoint_version": 3.0}, state)
+    (ckpt / "model_optim_rng.pt").write_bytes(_with_byteorder(state.getvalue(), b"big"))
+    res = run_cli("inspect", tmp_path / "iter_0000001")
+    assert res.code == 2 and "big-endian" in res.err and len(res.err.strip().splitlines()) == 1, res.err
 
 
 def test_scratch_pool_reuses_buffers_and_keeps_to_its_budget():

@@ -30,7 +30,7 @@ from typing import Any, BinaryIO, Callable
 
 import xxhash
 
-from ckptool.core.errors import BadCheckpoint
+from ckptool.core.errors import BadCheckpoint, UnsupportedFormat
 from ckptool.core.lazy import lazy
 from ckptool.core.safe_pickle import (
     Record,
@@ -201,7 +201,7 @@ class TorchFile:
             infos = zf.infolist()
         except (zipfile.BadZipFile, OSError, ValueError, struct.error, EOFError) as exc:
             raise BadCheckpoint(f"not a readable torch.save archive ({exc})", path=source) from None
-        pkl = None
+        pkl = order = None
         ends = []
         for info in infos:
             if info.compress_type != zipfile.ZIP_STORED:
@@ -211,6 +211,8 @@ class TorchFile:
             _, _, rest = info.filename.partition("/")
             if rest == "data.pkl":
                 pkl = read(start, start + info.file_size)
+            elif rest == "byteorder":
+                order = read(start, start + min(info.file_size, 16))
             elif rest.startswith("data/"):
                 self._offsets[rest[len("data/"):]] = start
                 sizes[rest[len("data/"):]] = info.file_size
@@ -220,6 +222,13 @@ class TorchFile:
                 raise BadCheckpoint(f"records {name} and {next_name} overlap", path=source)
         if pkl is None:
             raise BadCheckpoint("torch.save archive without data.pkl", path=source)
+        if order not in (None, b"little"):  # absent: torch too reads it as little-endian
+            if order == b"big":
+                raise UnsupportedFormat(
+                    "big-endian torch.save archive: ckptool reads little-endian tensors only",
+                    path=source, hint="load it with torch.load and save it again with torch.save on "
+                                      "a little-endian machine")
+            raise BadCheckpoint(f"torch.save archive with byteorder {order[:16]!r}", path=source)
         unpickler = _Unpickler(io.BytesIO(pkl))
         try:
             self.obj = unpickler.load()
