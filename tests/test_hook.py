@@ -146,3 +146,40 @@ def test_megatron_scheduler_of_a_hook_checkpoint_is_one_entry_for_the_megatron_w
         else:
             with pytest.raises(UnreadableInput, match="nest under a value"):
                 adopt_dcp_common(opened)
+
+
+class _Planted:
+    """Pickles as a call of ``os.mkdir(path)``: what a hostile scheduler field would hold."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        import os
+
+        return os.mkdir, (self.path,)
+
+
+def test_a_scheduler_field_that_pickles_a_call_is_refused_by_convert(tmp_path, run_cli):
+    """The scheduler's fields are pickles the Megatron writers re-read to build ``common.pt``:
+    one that names a global outside the allowlist is refused (exit 2, one line naming the
+    entry and --trust-pickle), never run, and nothing is written."""
+    from training import AsyncCheckpointer
+
+    marker = tmp_path / "pwned"
+    ckpt = AsyncCheckpointer(str(tmp_path / "run"))
+    ckpt.save(3, {"w": torch.ones(4), "opt_param_scheduler": {"max_lr": 0.01,
+                                                               "num_steps": _Planted(str(marker))}})
+    ckpt.wait()
+    ckpt.close()
+    assert not marker.exists()
+    res = run_cli("latest", tmp_path / "run")  # verify finds the pickle: latest skips it
+    assert res.code == 1 and "posix.mkdir" in res.err, res.err
+    src = sorted((tmp_path / "run").glob("step_*"))[-1]
+    for target in ("megatron", "megatron-dist"):
+        dst = tmp_path / f"out-{target}"
+        res = run_cli("convert", src, dst, "--to", target)
+        lines = res.err.strip().splitlines()
+        assert res.code == 2 and len(lines) == 1, res.err
+        assert "opt_param_scheduler" in lines[0] and "posix.mkdir" in lines[0] and "--trust-pickle" in lines[0]
+        assert not marker.exists() and not dst.exists()
