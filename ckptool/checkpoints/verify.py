@@ -117,7 +117,7 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
         unread = [rel for rel in plan.files if rel not in check.scanned and rel not in check.bad_files]
         if unread:  # no manifest entry hashed them: read them for the scan alone
             hash_files(store, unread, workers=workers, progress=progress, digest=False,
-                       scans={rel: plan.planner(rel) for rel in unread})
+                       scans={rel: plan.planner(rel) for rel in unread}, sizes=actual)
         if plan.pieces and "torch" not in sys.modules:
             # Pieces the scan cannot read in place are read as tensors: read the index again
             # with torch loaded, so that its dtypes (and the reader's archives) are torch's.
