@@ -257,9 +257,9 @@ def _plan_deep(store: Store, reader: Reader, index: CheckpointIndex) -> _DeepPla
 def _torch_pieces(plan: _DeepPlan, index: CheckpointIndex) -> None:
     """The pieces the scan could not read in place, again from ``index`` (read with torch
     loaded, so that its dtypes and the reader's archives are torch's)."""
-    wanted = {(key, p.location.file, p.location.offset) for key, p, _ in plan.pieces}
+    wanted = {(p.region, p.location.file, p.location.offset) for _, p, _ in plan.pieces}
     plan.pieces = [(key, p, t.dtype) for key, t in index.tensors.items() for p in t.pieces
-                   if (key, p.location.file, p.location.offset) in wanted]
+                   if (p.region, p.location.file, p.location.offset) in wanted]
 
 
 def _check_deep(check: _Check, reader: Reader, index: CheckpointIndex, plan: _DeepPlan,
