@@ -151,7 +151,7 @@ class FileScan:
         views = []
         for span in self.spans:
             spec = _np_kind(span.kind)
-            size, unsigned_t, signed_t, float_t = spec[0], spec[4], spec[5], spec[6]
+            size = spec[0]
             count = max(0, min(span.end, base.size) - span.offset) // size
             raw = base[span.offset:span.offset + count * size]
             # the mapping is page-aligned: so are the elements, or they are copied per block
