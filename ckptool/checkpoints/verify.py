@@ -115,6 +115,10 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
                         {rel: plan.planner(rel) for rel in plan.files} if plan else None)
     if plan is not None:
         unread = [rel for rel in plan.files if rel not in check.scanned and rel not in check.bad_files]
+        for rel in unread:
+            if rel not in actual:  # no file holds them (zarr's all-fill chunk): the reader does
+                plan.planner(rel)()
+        unread = [rel for rel in unread if rel in actual]
         if unread:  # no manifest entry hashed them: read them for the scan alone
             hash_files(store, unread, workers=workers, progress=progress, digest=False,
                        scans={rel: plan.planner(rel) for rel in unread}, sizes=actual)
