@@ -250,8 +250,7 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
               scan: FileScan | None = None, digest: bool = True) -> tuple[int, str | None]:
     """(size, xxh3-128 hex) of one file, streamed in large blocks; each block also goes
     through ``scan`` (``verify --deep``'s NaN/Inf test) while it is in cache. Without
-    ``digest`` the hash is None and only the scan reads (a local file without spans is not
-    read at all)."""
+    ``digest`` the hash is None and only the scan reads."""
     h = xxhash.xxh3_128() if digest else _NoDigest()
     size = 0
     mapped = None
@@ -261,10 +260,6 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
         # read in blocks, below).
         with store.open_file(rel, "rb") as f:  # contained, a regular file
             size = os.fstat(f.fileno()).st_size
-            if not digest and (scan is None or not scan.spans):
-                if progress:
-                    progress(size)
-                return size, None
             # with a scan, blocks small enough to stay in the core's cache between the hash
             # and the scan: the pair then runs at the speed of one pass over memory
             step = SCAN_BLOCK if scan is not None and scan.spans else _MAPPED_BLOCK
@@ -312,17 +307,24 @@ def hash_files(store: Store, rels: Iterable[str], *, workers: int = 2,
     """Hash many files in parallel (xxhash and the scans release the GIL), the largest
     first where ``sizes`` are known, so that the workers finish together. ``scans`` go along
     with their files: each is made by its worker just before the file is read (making one
-    may take a while: it then overlaps the other workers' reading). Missing files raise."""
+    may take a while: it then overlaps the other workers' reading). Without ``digest`` (files
+    no manifest lists) only the scans read, and a file with nothing to scan is not read.
+    Missing files raise."""
     rels = list(rels)
-    scans = scans or {}
+    scans, sizes = scans or {}, sizes or {}
 
-    def one(rel: str) -> tuple[int, str]:
+    def one(rel: str) -> tuple[int, str | None]:
         make = scans.get(rel)
-        return hash_file(store, rel, progress, make() if make is not None else None, digest)
+        scan = make() if make is not None else None
+        if not digest and (scan is None or not scan.spans):  # nothing to hash or scan in it
+            if progress:
+                progress(sizes.get(rel, 0))
+            return sizes.get(rel, 0), None
+        return hash_file(store, rel, progress, scan, digest)
 
     if workers <= 1 or len(rels) <= 1:
         return {r: one(r) for r in rels}
-    order = sorted(rels, key=lambda r: -(sizes or {}).get(r, 0))
+    order = sorted(rels, key=lambda r: -sizes.get(r, 0))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         done = dict(zip(order, pool.map(one, order)))
     return {r: done[r] for r in rels}
