@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +130,53 @@ def convert_to_torch(run_cli, src: Path, dst: Path) -> dict:
     assert res.code == 0, res.err
     dcp_to_torch_save(dst, dst.parent / f"{dst.name}.pt")
     return torch.load(dst.parent / f"{dst.name}.pt", weights_only=False)
+
+
+def _processes() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent, session, state) of every process (Linux /proc)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, session, ...
+            out[int(entry)] = (int(fields[1]), int(fields[3]), fields[0])
+    return out
+
+
+def kill_job(pid: int, wait: float = 10.0) -> list[int]:
+    """SIGKILL a job at once, as a node failure would: ``pid`` and every process below it,
+    whatever session each is in (torchrun starts each rank in a session of its own, out of
+    reach of ``killpg``), then whatever is left in those sessions (a rank's own child, which
+    its death handed to init). Returns the processes still alive after ``wait`` seconds
+    (zombies are dead): a test asserts there are none."""
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for p, (parent, _, _) in procs.items():
+        children.setdefault(parent, []).append(p)
+    job, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        job.add(p)
+        todo.extend(children.get(p, []))
+    ours = {os.getsid(0), os.getpid()}
+    sessions = {procs[p][1] for p in job if p in procs} - ours
+    deadline = time.monotonic() + wait
+    while True:
+        for p in sorted(job):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        alive = [p for p, (_, sid, state) in _processes().items()
+                 if (p in job or sid in sessions) and state not in "ZX" and p != os.getpid()]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        job.update(alive)
+        time.sleep(0.05)
 
 
 def free_port() -> int:

@@ -67,7 +67,7 @@ def test_sigkill_of_a_megatron_core_job_never_leaves_an_accepted_bad_checkpoint(
     random moment after its first commit, twice, the second run resuming from the first's
     newest checkpoint. ``latest`` then returns a checkpoint that ``verify --deep`` accepts."""
     from ckptool.core.errors import NoCheckpoint
-    from tests.conftest import free_port, peer
+    from tests.conftest import free_port, kill_job, peer
 
     peer("megatron.core")
     rng = random.Random(100 + seed)
@@ -92,8 +92,9 @@ def test_sigkill_of_a_megatron_core_job_never_leaves_an_accepted_bad_checkpoint(
                 time.sleep(0.2)
             time.sleep(rng.uniform(0.0, 1.5))
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)  # every rank at once, and torchrun
+            left = kill_job(proc.pid)  # every rank at once, and torchrun
             proc.wait()
+        assert left == [], f"processes of the job outlived the kill: {left}"
         found = ckptool.latest(str(root))
         report = ckptool.verify(found.path, deep=True)
         assert report.ok, (found.path, report.problems)
