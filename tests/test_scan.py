@@ -149,3 +149,24 @@ def test_hash_file_scans_spans_across_its_blocks_aligned_or_not(tmp_path):
     assert hash_file(store, "f", scan=scan) == hash_file(store, "f")
     assert {s.tag: (s.nan, s.inf) for s in scan.spans} == expect
     assert scan.unfinished() == []
+
+
+def test_an_error_during_the_mapped_pass_is_the_one_raised(tmp_path):
+    """Whatever stops ``hash_file`` mid-file (an interrupt, a failing progress callback) is the
+    error its caller sees: the mapping, still viewed from the failing frame, is not allowed to
+    turn it into a BufferError on close."""
+    from ckptool.core.manifest import hash_file
+    from ckptool.core.scan import SCAN_BLOCK
+    from ckptool.core.storage import Store
+
+    (tmp_path / "f").write_bytes(torch.randn(SCAN_BLOCK).numpy().tobytes())  # 4 blocks
+    seen = []
+
+    def progress(n):
+        seen.append(n)
+        if len(seen) == 2:
+            raise RuntimeError("stop here")
+
+    scan = FileScan([Span(0, 4 * SCAN_BLOCK, "float32", "w")])
+    with pytest.raises(RuntimeError, match="stop here"):
+        hash_file(Store.open(str(tmp_path)), "f", progress, scan)

@@ -268,24 +268,28 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
             except (OSError, ValueError):
                 mapped = None
             if mapped is not None:
-                with mapped as m:
+                m = mapped
+                try:
                     if hasattr(m, "madvise"):
                         m.madvise(mmap.MADV_SEQUENTIAL)
                     if scan is not None and scan.spans:
                         scan.bind(m)
+                    with memoryview(m) as view:
+                        for start in range(0, size, step):
+                            block = view[start:start + step]
+                            h.update(block)
+                            if scan is not None:
+                                scan.feed(start, block)
+                            if progress:
+                                progress(len(block))
+                            block.release()
+                finally:
+                    if scan is not None:
+                        scan.release()  # its views of the mapping, before it closes
                     try:
-                        with memoryview(m) as view:
-                            for start in range(0, size, step):
-                                block = view[start:start + step]
-                                h.update(block)
-                                if scan is not None:
-                                    scan.feed(start, block)
-                                if progress:
-                                    progress(len(block))
-                                block.release()
-                    finally:
-                        if scan is not None:
-                            scan.release()  # its views of the mapping, before it closes
+                        m.close()
+                    except BufferError:  # a view an exception's traceback still holds:
+                        pass  # unmapped when that goes, and the exception is the one shown
     if not store.is_local or (mapped is None and size):
         size = 0
         with store.open_file(rel, "rb", block_size=_BLOCK) as f:
