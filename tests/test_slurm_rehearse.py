@@ -28,14 +28,10 @@ def rehearse(tmp_path: Path, mode: str, trainer: str = "examples/train_tiny.py")
 @pytest.mark.parametrize("mode,trainer", [
     ("hook", "examples/train_tiny.py"),
     pytest.param("offline", "examples/train_tiny.py", marks=pytest.mark.slow),
-    # The two stacks' rehearsals are the slowest tests (2-3 min together on 2 cores): -m slow.
-    # The default suite resumes both stacks' hook checkpoints at other topologies
-    # (test_hook_deepspeed_pipe, test_hook_mcore_distopt) and kills a Megatron-Core job
-    # (test_hook_kill); what these add is the Slurm scripts around those trainers.
     # a Megatron-DeepSpeed PipelineEngine (TP2 x PP2, ZeRO-1) resumed at TP1 x PP2 by the hook
-    pytest.param("hook", "examples/train_megatron_deepspeed.py", marks=pytest.mark.slow),
+    ("hook", "examples/train_megatron_deepspeed.py"),
     # Megatron-Core with its distributed optimizer (fp32: the redone steps are exact)
-    pytest.param("hook", "examples/train_megatron_core.py --fp32", marks=pytest.mark.slow),
+    ("hook", "examples/train_megatron_core.py --fp32"),
 ], ids=["hook", "offline", "megatron-deepspeed", "megatron-core"])
 def test_rehearsal_resumes_from_the_previous_good_checkpoint(tmp_path, mode, trainer):
     if "deepspeed" in trainer:
