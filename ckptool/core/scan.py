@@ -97,19 +97,8 @@ def nonfinite(data, kind: str) -> tuple[int, int]:
 
 
 def _block_nonfinite(raw, spec: tuple) -> tuple[int, int]:
-    size, mask, sign, has_inf, unsigned_t, signed_t, float_t = spec
-    raw = _aligned(raw, size)
-    if float_t is not None:  # one BLAS pass: x.x is finite unless some x is not (or overflows)
-        floats = raw.view(float_t)
-        hit = not math.isfinite(floats.dot(floats))
-    else:
-        hit = int(raw.view(unsigned_t).max()) >= sign | mask or int(raw.view(signed_t).max()) >= mask
-    if not hit:
-        return 0, 0
-    bits = raw.view(unsigned_t) & (sign - 1)  # a temporary of one block, only on a hit
-    beyond = int(np.count_nonzero(bits >= mask))
-    inf = int(np.count_nonzero(bits == mask)) if has_inf else 0
-    return beyond - inf, inf
+    size = spec[0]
+    return _typed_nonfinite(_typed(_aligned(raw, size), spec), 0, raw.size // size, spec)
 
 
 @dataclass
@@ -220,8 +209,10 @@ def _typed(raw, spec: tuple) -> tuple:
 
 
 def _typed_nonfinite(typed: tuple, a: int, b: int, spec: tuple) -> tuple[int, int]:
-    """(NaN, Inf) counts of elements ``[a, b)`` of a span bound by :meth:`FileScan.bind`."""
-    size, mask, sign, has_inf, unsigned_t, signed_t, float_t = spec
+    """(NaN, Inf) counts of elements ``[a, b)`` of :func:`_typed` views: one reduction or two
+    per block (fp32/fp64: one BLAS pass, x.x is finite unless some x is not, or it overflows),
+    an exact count only where they find some."""
+    mask, sign, has_inf, float_t = spec[1], spec[2], spec[3], spec[6]
     if float_t is not None:
         floats = typed[0][a:b]
         if math.isfinite(floats.dot(floats)):
