@@ -124,32 +124,45 @@ class FileScan:
     """Scans the spans of one file as its bytes arrive in order (``feed(position, block)``);
     an element split between two blocks is carried over.
 
-    While :meth:`bind` holds the whole file (its mapping), an aligned span is scanned through
-    typed views of it made once: a block then costs two slices and the reductions, not a
-    view per block (at 1 MiB blocks that glue, not the reductions, was most of the scan)."""
+    While :meth:`bind` holds the one buffer every block is read into, an aligned span is
+    scanned through typed views of that buffer made once: a block then costs two slices and
+    the reductions, not a view per block (at 1 MiB blocks that glue, not the reductions,
+    was most of the scan)."""
 
     def __init__(self, spans: list[Span]):
         self.spans = sorted(spans, key=lambda s: s.offset)
         self._first = 0  # spans before it are finished
-        self._views: list | None = None
+        self._views: list[tuple] | None = None  # per span, while bound
 
-    def bind(self, mapped) -> None:
-        """Read aligned spans from ``mapped`` (the file's whole bytes, e.g. its mmap) until
-        :meth:`release`; the blocks still come through :meth:`feed`, in order."""
-        base = np.frombuffer(mapped, dtype=np.uint8)
-        views = []
+    def bind(self, buffer) -> int:
+        """Until :meth:`release`, every block fed is the start of ``buffer`` (a writable
+        buffer the caller reads the file into, block after block). Returns the phase the
+        blocks should keep: every block but the last should end at a file offset that is the
+        phase modulo 8. Spans whose elements start there (most of the file's bytes) are then
+        aligned in the buffer and read in place; the others are copied per block. Call
+        :meth:`release` from the same thread (the bound scan keeps numpy's overflow warnings
+        off there: what a dot product gives is looked at)."""
+        base = np.frombuffer(buffer, dtype=np.uint8)
+        if base.ctypes.data % 8:
+            return 0  # elements would not be aligned in it: blocks go the copying way
+        typed: dict[str, tuple] = {}
         for span in self.spans:
-            spec = _np_kind(span.kind)
-            size = spec[0]
-            count = max(0, min(span.end, base.size) - span.offset) // size
-            raw = base[span.offset:span.offset + count * size]
-            # the mapping is page-aligned: so are the elements, or they are copied per block
-            views.append((spec, count, _typed(raw, spec) if span.offset % size == 0 else raw))
-        self._views = views
+            if span.kind not in typed:
+                spec = _np_kind(span.kind)
+                typed[span.kind] = (spec, _typed(base[:base.size - base.size % spec[0]], spec))
+        self._views = [typed[span.kind] for span in self.spans]
+        self._quiet = np.errstate(over="ignore", invalid="ignore")
+        self._quiet.__enter__()
+        # ckptool's writers align every chunk (phase 0); torch's appends each anywhere
+        sizes = [_FLOATS[s.kind][0] for s in self.spans]
+        return max(range(8), key=lambda r: sum(s.nbytes for s, size in zip(self.spans, sizes)
+                                               if (s.offset - r) % size == 0))
 
     def release(self) -> None:
-        """Drop the views of :meth:`bind` (the mapping can then be closed)."""
-        self._views = None
+        """Drop the views of :meth:`bind`."""
+        if self._views is not None:
+            self._views = None
+            self._quiet.__exit__(None, None, None)
 
     def feed(self, pos: int, block) -> None:
         end = pos + len(block)
@@ -164,18 +177,19 @@ class FileScan:
             if hi <= lo:
                 continue
             view = views[i] if views is not None else None
-            if view is None:
+            # in place where the span's elements start at element boundaries of the buffer
+            # (ckptool's writers align them); else through the copying way, which carries an
+            # element a block cuts over to the next
+            if view is None or span._carry or (span.offset - pos) % view[0][0]:
                 self._scan(span, block[lo - pos:hi - pos])
                 continue
-            spec, count, typed = view
+            spec, typed = view
             size = spec[0]
-            # the elements starting in [lo, hi): one that runs past hi is still mapped
-            a, b = -(-(lo - span.offset) // size), min(count, -(-(hi - span.offset) // size))
+            # elements [a, b) of the buffer: whole ones only (one cut by the end of the file
+            # leaves the span unfinished)
+            a, b = (lo - pos) // size, (hi - pos) // size
             if b > a:
-                if type(typed) is not tuple:  # not aligned: through an aligned copy (in cache)
-                    typed, a, b = _typed(_aligned(typed[a * size:b * size], size), spec), 0, b - a
-                with np.errstate(over="ignore", invalid="ignore"):
-                    _add(span, _typed_nonfinite(typed, a, b, spec))
+                _add(span, _typed_nonfinite(typed, a, b, spec))
                 span.seen += (b - a) * size
 
     @staticmethod
