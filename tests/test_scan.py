@@ -207,3 +207,38 @@ print(size, [s.tag for s in scan.unfinished()])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert out.stdout.split() == [str(SCAN_BLOCK + 100), "['w']"]
+
+
+def test_blocks_keep_the_phase_of_most_elements_and_still_hash_the_file_whole(tmp_path):
+    """A torch-written file's chunks start anywhere: the pass reads its blocks so that they
+    end at the offset class (mod 8) holding most element bytes, scanning that class in place.
+    The first block is then short: the hash is still the whole file's, the counts torch's,
+    for the class in phase and for one out of it."""
+    import numpy as np
+    import xxhash
+
+    from ckptool.core.manifest import hash_file
+    from ckptool.core.scan import SCAN_BLOCK
+    from ckptool.core.storage import Store
+
+    gen = torch.Generator().manual_seed(2)
+    big = torch.randn(SCAN_BLOCK, generator=gen)  # 4 blocks of fp32, starting at 5 mod 8
+    big[torch.randint(big.numel(), (7,), generator=gen)] = float("nan")
+    big[SCAN_BLOCK // 4 - 1] = float("inf")  # the element that ends the short first block
+    small = torch.randn(SCAN_BLOCK // 2 + 333, generator=gen).bfloat16()  # out of phase, cut
+    small[3] = float("-inf")
+    small[-2] = float("nan")
+    raw_big, raw_small = big.numpy().tobytes(), small.view(torch.int16).numpy().tobytes()
+    data = b"\x01" * 13 + raw_big + b"\x02" + raw_small + b"\x03" * 5
+    (tmp_path / "f").write_bytes(data)
+    spans = [Span(13, len(raw_big), "float32", "big"), Span(14 + len(raw_big), len(raw_small), "bfloat16", "small")]
+    probe = FileScan(spans)
+    assert probe.bind(bytearray(SCAN_BLOCK)) % 4 == 1  # the fp32 bytes' class
+    probe.release()
+    scan = FileScan(spans)
+    size, digest = hash_file(Store.open(str(tmp_path)), "f", scan=scan)
+    assert (size, digest) == (len(data), xxhash.xxh3_128_hexdigest(data))
+    assert {s.tag: (s.nan, s.inf) for s in scan.spans} == {"big": _expected(big), "small": _expected(small)}
+    assert scan.unfinished() == [] and np.geterr()["over"] == "warn"
+    # in place but for the first block (it starts at 0) and the span out of phase
+    assert 0 < scan.copied <= SCAN_BLOCK + len(raw_small)

@@ -133,6 +133,8 @@ class FileScan:
         self.spans = sorted(spans, key=lambda s: s.offset)
         self._first = 0  # spans before it are finished
         self._views: list[tuple] | None = None  # per span, while bound
+        self.copied = 0
+        """Bytes scanned through a block-sized aligned copy rather than in place."""
 
     def bind(self, buffer) -> int:
         """Until :meth:`release`, every block fed is the start of ``buffer`` (a writable
@@ -154,9 +156,12 @@ class FileScan:
         self._quiet = np.errstate(over="ignore", invalid="ignore")
         self._quiet.__enter__()
         # ckptool's writers align every chunk (phase 0); torch's appends each anywhere
-        sizes = [_FLOATS[s.kind][0] for s in self.spans]
-        return max(range(8), key=lambda r: sum(s.nbytes for s, size in zip(self.spans, sizes)
-                                               if (s.offset - r) % size == 0))
+        weight: dict[tuple[int, int], int] = {}
+        for span, (spec, _) in zip(self.spans, self._views):
+            key = (spec[0], span.offset % 8)
+            weight[key] = weight.get(key, 0) + span.nbytes
+        return max(range(8), key=lambda r: sum(n for (size, at), n in weight.items()
+                                               if (at - r) % size == 0))
 
     def release(self) -> None:
         """Drop the views of :meth:`bind`."""
@@ -182,6 +187,7 @@ class FileScan:
             # element a block cuts over to the next
             if view is None or span._carry or (span.offset - pos) % view[0][0]:
                 self._scan(span, block[lo - pos:hi - pos])
+                self.copied += hi - lo
                 continue
             spec, typed = view
             size = spec[0]
