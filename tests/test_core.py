@@ -190,3 +190,95 @@ def test_a_pickled_field_never_shadows_what_a_stand_in_is():
     assert obj.fields()["unsafe"] is False and callable(obj.fields)
     assert obj.relative_path == "x" and obj.offset is None
     assert list(unsafe_in({"a": obj})) == [("a", obj.qualified_name)]
+
+
+def _saved(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def test_archives_of_one_layout_are_opened_once_and_each_reads_its_own_bytes():
+    """DCP stores each chunk as a torch.save archive; chunks of one shape differ only in
+    their tensor bytes and the CRC fields over them. The second opens from the first's parse,
+    and reads its own values; a different shape of the same size is parsed in full."""
+    from ckptool.core.torchfile import ArchiveLayouts, TorchFile
+
+    layouts = ArchiveLayouts()
+    tensors = [torch.randn(4, 8) for _ in range(3)]
+    tensors[2][1, 3] = float("nan")
+    raws = [_saved(t) for t in tensors]
+    assert len({len(r) for r in raws}) == 1 and len(set(raws)) == 3
+    opened = [layouts.open(lambda a, b, r=r: r[a:b], len(r), f"c{i}") for i, r in enumerate(raws)]
+    assert opened[1].obj is opened[0].obj and opened[2].obj is opened[0].obj  # parsed once
+    for archive, t in zip(opened, tensors):
+        got = archive.read_elements(archive.obj, 0, t.numel()).reshape(t.shape)
+        assert torch.equal(got, t) or (torch.isnan(got).sum() == 1 and torch.equal(got.nan_to_num(), t.nan_to_num()))
+    assert opened[2].source == "c2"
+    other = _saved(torch.randn(8, 4))  # the same bytes, another pickle
+    assert len(other) == len(raws[0])
+    archive = layouts.open(lambda a, b: other[a:b], len(other), "d")
+    assert archive.obj.shape == (8, 4) and archive.obj is not opened[0].obj
+    assert TorchFile(lambda a, b: other[a:b], len(other), "d").obj.shape == (8, 4)
+
+
+@pytest.mark.parametrize("damage", ["local name", "central offset", "pickle byte"])
+def test_an_archive_that_differs_from_a_layout_outside_its_data_is_parsed_in_full(damage):
+    """Any byte the parse reads, other than a CRC field, keeps an archive from being taken for
+    a known layout: a record renamed in its local header, a central directory entry pointing
+    elsewhere, a changed pickle each meet the full checks, exactly as without layouts."""
+    import struct
+
+    from ckptool.core.errors import BadCheckpoint
+    from ckptool.core.torchfile import ArchiveLayouts, TorchFile
+
+    raw = _saved(torch.randn(4, 8))
+    layouts = ArchiveLayouts()
+    first = layouts.open(lambda a, b: raw[a:b], len(raw), "a")
+    bad = bytearray(raw)
+    if damage == "local name":
+        data_header = raw.rindex(b"PK\x03\x04", 0, raw.index(b"/data/0"))
+        at = raw.index(b"/data/0", data_header) + 6  # the record's name in its local header
+        assert bad[at] == ord("0")
+        bad[at] = ord("9")
+    elif damage == "central offset":
+        entry = raw.rindex(b"PK\x01\x02", 0, raw.rindex(b"/data/0") + 1)
+        (offset,) = struct.unpack_from("<I", raw, entry + 42)
+        struct.pack_into("<I", bad, entry + 42, offset + 1)
+    else:
+        name_len, extra_len = struct.unpack_from("<HH", raw, 26)  # data.pkl is the first record
+        at = 30 + name_len + extra_len + 2  # inside the pickle, past its protocol opcode
+        bad[at] ^= 0x01
+    bad = bytes(bad)
+
+    def parse(open_):
+        try:
+            archive = open_(lambda a, b: bad[a:b], len(bad), "b")
+        except BadCheckpoint as exc:
+            return "refused", str(exc)
+        return "opened", archive.obj is first.obj
+
+    full = parse(TorchFile)
+    assert parse(layouts.open) == (full if full[0] == "refused" else ("opened", False))
+    if damage != "pickle byte":
+        assert full[0] == "refused"
+
+
+def test_a_crc_field_alone_does_not_keep_an_archive_from_its_layout():
+    """The CRC-32 fields are read with the headers but never used (as torch reads): an archive
+    that differs in them only is the same layout. Its data is still its own to read."""
+    from ckptool.core.torchfile import ArchiveLayouts
+
+    t = torch.randn(4, 8)
+    raw = _saved(t)
+    layouts = ArchiveLayouts()
+    first = layouts.open(lambda a, b: raw[a:b], len(raw), "a")
+    crcs = list(first._crc_fields)
+    assert len(crcs) >= 4
+    other = bytearray(raw)
+    for at in crcs:
+        other[at] ^= 0xFF
+    other = bytes(other)
+    second = layouts.open(lambda a, b: other[a:b], len(other), "b")
+    assert second.obj is first.obj
+    assert torch.equal(second.read_elements(second.obj, 0, 32).reshape(4, 8), t)

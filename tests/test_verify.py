@@ -122,6 +122,23 @@ def test_deep_reports_nan_and_inf_with_key_and_count(tmp_path, make_ckpt, run_cl
     assert "tensor holds 2 NaN and 1 Inf values (of 16) (tensor 'model.layers.0.bias')" in res.out
 
 
+def test_deep_finds_each_chunk_s_own_nan_among_many_of_one_layout(tmp_path, run_cli):
+    """torch's DCP writes 60 chunks of one shape as archives of one layout, opened once
+    (core.torchfile.ArchiveLayouts): the NaN and Inf of chunks deep in the file are still
+    found in those chunks and no other, as each chunk's own bytes."""
+    gen = torch.Generator().manual_seed(3)
+    state = {f"opt.{i}.exp_avg": torch.randn(64, generator=gen) for i in range(60)}
+    state["opt.37.exp_avg"][5] = float("nan")
+    state["opt.41.exp_avg"][0] = -float("inf")
+    state["opt.41.exp_avg"][63] = float("nan")
+    dcp.save(state, checkpoint_id=str(tmp_path / "many"))
+    res = run_cli("verify", tmp_path / "many", "--deep", "--json")
+    assert res.code == 1
+    found = {p["key"]: p["message"] for p in json.loads(res.out)["problems"]}
+    assert found == {"opt.37.exp_avg": "tensor holds 1 NaN and 0 Inf values (of 64)",
+                     "opt.41.exp_avg": "tensor holds 1 NaN and 1 Inf values (of 64)"}, found
+
+
 def test_seal_foreign_then_detect_damage(tmp_path, run_cli):
     path = tmp_path / "foreign"
     dcp.save(sample_state(), checkpoint_id=str(path))

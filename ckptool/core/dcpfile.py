@@ -161,7 +161,10 @@ class DcpContainerReader(Reader):
             if window(0, 4) != _ZIP_MAGIC:
                 cache[key] = None
             else:
-                cache[key] = torchfile.TorchFile(window, loc.length, store.display(loc.file))
+                layouts = self.__dict__.get("_layouts")
+                if layouts is None:  # chunks of one shape share a layout: opened once
+                    layouts = self.__dict__["_layouts"] = torchfile.ArchiveLayouts()
+                cache[key] = layouts.open(window, loc.length, store.display(loc.file))
                 self.note_unsafe(store.display(loc.file), cache[key].unsafe, piece.region.key)
             window.edges(False)
         return cache[key]

@@ -19,6 +19,7 @@ outside the allowlist is never written.
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import math
 import pickle
@@ -91,11 +92,17 @@ class TensorRef:
 
     @property
     def contiguous(self) -> bool:
-        expect, acc = [], 1
-        for n in reversed(self.shape):
-            expect.append(acc)
-            acc *= n
-        return all(n == 1 or s == e for n, s, e in zip(self.shape, self.stride, reversed(expect)))
+        return _contiguous(self.shape, self.stride)
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Row-major strides (sizes-1 dims aside): asked once per chunk of 874k, of few shapes."""
+    expect, acc = [], 1
+    for n in reversed(shape):
+        expect.append(acc)
+        acc *= n
+    return all(n == 1 or s == e for n, s, e in zip(shape, stride, reversed(expect)))
 
 
 def _check_extent(ref: "TensorRef", source: str) -> None:
@@ -203,6 +210,14 @@ class TorchFile:
             raise BadCheckpoint(f"not a readable torch.save archive ({exc})", path=source) from None
         pkl = order = None
         ends = []
+        # where the CRC-32 fields are (each record's local header, each central directory
+        # entry): the only bytes the parse reads but never uses (see ArchiveLayouts)
+        self._crc_fields = [info.header_offset + 14 for info in infos]
+        entry = zf.start_dir
+        for info in infos:
+            self._crc_fields.append(entry + 16)
+            entry += 46 + len(info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")) \
+                + len(info.extra) + len(info.comment)
         for info in infos:
             if info.compress_type != zipfile.ZIP_STORED:
                 raise BadCheckpoint("compressed torch.save archive", path=source)
@@ -248,6 +263,14 @@ class TorchFile:
             _check_extent(ref, source)
         self.unsafe = list(unsafe_in(self.obj)) if unpickler.refused else []
         """``(entry, global)`` of each object whose pickle names a global outside the allowlist."""
+
+    def _like(self, read: Callable[[int, int], bytes], source: str) -> "TorchFile":
+        """This archive's index for another archive of the same layout (:class:`ArchiveLayouts`)
+        read through ``read``: what the parse found is shared, nothing is re-read."""
+        other = object.__new__(TorchFile)
+        other.__dict__.update(self.__dict__)
+        other._read, other.source = read, source
+        return other
 
     def _record_start(self, info: zipfile.ZipInfo) -> int:
         """Where a record's bytes start, after checking its local header against the
@@ -356,6 +379,91 @@ class TorchFile:
         if isinstance(tree, tuple):
             return tuple(self._materialize(v) for v in tree)
         return tree
+
+
+class _Recording:
+    """A range-read function that notes every range it serves."""
+
+    def __init__(self, read: Callable[[int, int], bytes]):
+        self._read, self.ranges = read, []
+
+    def __call__(self, start: int, end: int) -> bytes:
+        self.ranges.append((start, end))
+        return self._read(start, end)
+
+
+class _Layout:
+    """What one opened archive's parse read, as merged ranges with their CRC fields zeroed,
+    and what it found."""
+
+    __slots__ = ("archive", "ranges")
+
+    def __init__(self, archive: TorchFile, ranges: list[tuple[int, int]], read):
+        merged: list[list[int]] = []
+        for start, end in sorted(r for r in ranges if r[1] > r[0]):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        crcs = archive._crc_fields
+        self.archive = archive
+        self.ranges = []
+        for start, end in merged:
+            cuts = tuple(c - start for c in crcs if start <= c and c + 4 <= end)
+            self.ranges.append((start, end, cuts, _zeroed(read(start, end), cuts)))
+
+    def matches(self, read) -> bool:
+        for start, end, cuts, expect in self.ranges:
+            if _zeroed(read(start, end), cuts) != expect:
+                return False
+        return True
+
+
+def _zeroed(data: bytes, cuts: tuple[int, ...]) -> bytes:
+    """``data`` with the 4 bytes at each of ``cuts`` set to zero."""
+    if not cuts:
+        return data
+    out = bytearray(data)
+    for at in cuts:
+        out[at:at + 4] = b"\0\0\0\0"
+    return out
+
+
+class ArchiveLayouts:
+    """Opens many small ``torch.save`` archives that share a layout, as DCP writes one per
+    chunk (874k in a 405B checkpoint), at the cost of a byte comparison each.
+
+    Opening an archive (:class:`TorchFile`) is a deterministic function of its size and of
+    the bytes it reads: the zip's end records, its central directory, each record's local
+    header, the pickle and the byteorder; never a tensor's bytes. The CRC-32 fields it reads
+    along with the headers it never uses (as torch, with its CRC check off; the manifest's
+    xxh3 covers integrity). So an archive of the same size whose bytes equal an opened one's
+    on every range that parse read, CRC fields set aside, opens exactly as that one did: the
+    same checks pass, the same object, storages and offsets, the same unsafe globals. Such an
+    archive is then not parsed again; any other is opened in full (and becomes a layout).
+    """
+
+    PER_SIZE = 8
+    """Layouts kept per archive size: a file of all-different archives costs at most this
+    many failed comparisons (each usually decided by its first bytes) per archive."""
+
+    def __init__(self):
+        self._by_size: dict[int, list[_Layout]] = {}
+
+    def open(self, read: Callable[[int, int], bytes], size: int, source: str) -> TorchFile:
+        known = self._by_size.get(size)
+        for layout in tuple(known or ()):
+            if layout.matches(read):
+                return layout.archive._like(read, source)
+        recording = _Recording(read)
+        archive = TorchFile(recording, size, source)
+        archive._read = read
+        if known is None:
+            known = self._by_size[size] = []
+        if len(known) >= self.PER_SIZE:
+            known.pop(0)
+        known.append(_Layout(archive, recording.ranges, read))
+        return archive
 
 
 class _RangeFile(io.RawIOBase):
