@@ -22,6 +22,8 @@ pickle is then really loaded (its code runs) and re-pickled from the loaded obje
 
 from __future__ import annotations
 
+import functools
+
 import argparse
 import collections
 import copy
@@ -290,13 +292,17 @@ class TorchName:
     @property
     def itemsize(self) -> int:
         """Bytes per element of a dtype name (as ``torch.dtype.itemsize``)."""
-        name = self.name
-        if name in _ITEMSIZE:
-            return _ITEMSIZE[name]
-        digits = "".join(c for c in name.split("_")[0] if c.isdigit())
-        if not digits:
-            raise ValueError(f"torch.{name} is not a dtype")
-        return int(digits) // 8
+        return _itemsize(self.name)
+
+
+@functools.lru_cache(maxsize=256)
+def _itemsize(name: str) -> int:
+    if name in _ITEMSIZE:
+        return _ITEMSIZE[name]
+    digits = "".join(c for c in name.split("_")[0] if c.isdigit())
+    if not digits:
+        raise ValueError(f"torch.{name} is not a dtype")
+    return int(digits) // 8
 
 
 _ITEMSIZE = {"float": 4, "double": 8, "half": 2, "short": 2, "int": 4, "long": 8, "bool": 1,

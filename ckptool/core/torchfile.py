@@ -393,39 +393,46 @@ class _Recording:
 
 
 class _Layout:
-    """What one opened archive's parse read, as merged ranges with their CRC fields zeroed,
-    and what it found."""
+    """What one opened archive's parse read, and what it found. The ranges it read are kept
+    as few reads: ranges less than ``GAP`` apart are read as one, the bytes between them and
+    the CRC fields zeroed on both sides of the comparison."""
 
     __slots__ = ("archive", "ranges")
 
+    GAP = 512
+
     def __init__(self, archive: TorchFile, ranges: list[tuple[int, int]], read):
-        merged: list[list[int]] = []
+        merged: list[list] = []  # [start, end, [(offset, length) to zero]]
         for start, end in sorted(r for r in ranges if r[1] > r[0]):
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
+            if merged and start <= merged[-1][1] + self.GAP:
+                last = merged[-1]
+                if start > last[1]:
+                    last[2].append((last[1] - last[0], start - last[1]))
+                last[1] = max(last[1], end)
             else:
-                merged.append([start, end])
-        crcs = archive._crc_fields
+                merged.append([start, end, []])
         self.archive = archive
         self.ranges = []
-        for start, end in merged:
-            cuts = tuple(c - start for c in crcs if start <= c and c + 4 <= end)
-            self.ranges.append((start, end, cuts, _zeroed(read(start, end), cuts)))
+        for start, end, masks in merged:
+            masks += [(c - start, 4) for c in archive._crc_fields if start <= c and c + 4 <= end]
+            masks = tuple((at, bytes(n)) for at, n in masks)
+            self.ranges.append((start, end, masks, _zeroed(read(start, end), masks)))
 
     def matches(self, read) -> bool:
-        for start, end, cuts, expect in self.ranges:
-            if _zeroed(read(start, end), cuts) != expect:
+        for start, end, masks, expect in self.ranges:
+            data = read(start, end)
+            if len(data) != end - start or _zeroed(data, masks) != expect:
                 return False
         return True
 
 
-def _zeroed(data: bytes, cuts: tuple[int, ...]) -> bytes:
-    """``data`` with the 4 bytes at each of ``cuts`` set to zero."""
-    if not cuts:
+def _zeroed(data: bytes, masks: tuple[tuple[int, bytes], ...]) -> bytes:
+    """``data`` with each ``(offset, zeros)`` of ``masks`` written over it."""
+    if not masks:
         return data
     out = bytearray(data)
-    for at in cuts:
-        out[at:at + 4] = b"\0\0\0\0"
+    for at, zeros in masks:
+        out[at:at + len(zeros)] = zeros
     return out
 
 
