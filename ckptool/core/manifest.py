@@ -274,37 +274,36 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
     through ``scan`` (``verify --deep``'s NaN/Inf test) while it is in cache. Without
     ``digest`` the hash is None and only the scan reads."""
     h = xxhash.xxh3_128() if digest else _NoDigest()
-    size = 0
     if store.is_local:
         # Read into one cache-sized buffer of the thread, reused: the read's copy lands in
         # the core's cache, where the hash and the scan then find it. Not mapped: a file that
         # another job truncates meanwhile (a step being saved again) then reads short and is
         # reported, where a mapping would kill the process with SIGBUS. Measured here, the
         # deep pass costs the same either way; hashing alone about 10% more than a mapping.
-        with store.open_file(rel, "rb") as f:  # contained, a regular file
-            buf, phase = _read_buffer(), 0
-            if scan is not None and scan.spans:
-                phase = scan.bind(buf)
-            try:
-                for block in _full_blocks(f.fileno(), memoryview(buf), phase):
-                    h.update(block)
-                    if scan is not None:
-                        scan.feed(size, block)
-                    size += len(block)
-                    if progress:
-                        progress(len(block))
-            finally:
+        f = store.open_file(rel, "rb")  # contained, a regular file
+        buf = _read_buffer()
+        try:
+            phase = scan.bind(buf) if scan is not None and scan.spans else 0
+        except BaseException:
+            f.close()
+            raise
+        blocks = _full_blocks(f.fileno(), memoryview(buf), phase)
+    else:
+        f = store.open_file(rel, "rb", block_size=_BLOCK)
+        blocks = iter(lambda: f.read(_BLOCK), b"")
+    size = 0
+    try:
+        with f:
+            for block in blocks:
+                h.update(block)
                 if scan is not None:
-                    scan.release()
-        return size, h.hexdigest()
-    with store.open_file(rel, "rb", block_size=_BLOCK) as f:
-        while chunk := f.read(_BLOCK):
-            h.update(chunk)
-            if scan is not None:
-                scan.feed(size, chunk)
-            size += len(chunk)
-            if progress:
-                progress(len(chunk))
+                    scan.feed(size, block)
+                size += len(block)
+                if progress:
+                    progress(len(block))
+    finally:
+        if scan is not None:
+            scan.release()  # nothing to do unless bound
     return size, h.hexdigest()
 
 
