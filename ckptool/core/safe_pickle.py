@@ -22,12 +22,11 @@ pickle is then really loaded (its code runs) and re-pickled from the loaded obje
 
 from __future__ import annotations
 
-import functools
-
 import argparse
 import collections
 import copy
 import copyreg
+import functools
 import io
 import pickle
 import posixpath

@@ -11,11 +11,12 @@ product of the block with itself instead (faster still): it is finite unless an 
 is not, or the sum of squares overflows, which the exact count then sorts out.
 
 :class:`FileScan` applies this to byte ranges of one file as its blocks stream past:
-:func:`ckptool.core.manifest.hash_file` maps the file and hashes and scans the same
-cache-sized blocks, so ``verify --deep`` reads every byte once, from the page cache, with
-no copy. A range whose elements are not aligned in the file (a DCP chunk that torch's
-writer appended anywhere; ckptool's writers align them) is scanned through a block-sized
-aligned scratch copy.
+:func:`ckptool.core.manifest.hash_file` reads the file into one cache-sized buffer, block
+after block, and hashes and scans each block there, so ``verify --deep`` reads every byte
+once, from the page cache. The blocks keep the phase (offset mod 8) of most of the file's
+elements, which then lie aligned in the buffer; a range out of that phase (a DCP chunk that
+torch's writer appended anywhere; ckptool's writers align every chunk) is scanned through a
+block-sized aligned scratch copy.
 """
 
 from __future__ import annotations
