@@ -228,13 +228,20 @@ def test_blocks_keep_the_phase_of_most_elements_and_still_hash_the_file_whole(tm
     small = torch.randn(SCAN_BLOCK // 2 + 333, generator=gen).bfloat16()  # out of phase, cut
     small[3] = float("-inf")
     small[-2] = float("nan")
+    at = 14 + big.numel() * 4
+    spans = [Span(13, big.numel() * 4, "float32", "big"), Span(at, small.numel() * 2, "bfloat16", "small")]
+    probe = FileScan(spans)
+    phase = probe.bind(bytearray(SCAN_BLOCK))
+    probe.release()
+    assert phase % 4 == 1  # the fp32 bytes' class
+    # the element of `small` that the first block end inside it cuts in two is a NaN
+    first = SCAN_BLOCK - (8 - phase) % 8
+    cut = next(first + j * SCAN_BLOCK for j in range(9) if first + j * SCAN_BLOCK > at)
+    assert (cut - at) % 2 == 1
+    small[(cut - at) // 2] = float("nan")
     raw_big, raw_small = big.numpy().tobytes(), small.view(torch.int16).numpy().tobytes()
     data = b"\x01" * 13 + raw_big + b"\x02" + raw_small + b"\x03" * 5
     (tmp_path / "f").write_bytes(data)
-    spans = [Span(13, len(raw_big), "float32", "big"), Span(14 + len(raw_big), len(raw_small), "bfloat16", "small")]
-    probe = FileScan(spans)
-    assert probe.bind(bytearray(SCAN_BLOCK)) % 4 == 1  # the fp32 bytes' class
-    probe.release()
     scan = FileScan(spans)
     size, digest = hash_file(Store.open(str(tmp_path)), "f", scan=scan)
     assert (size, digest) == (len(data), xxhash.xxh3_128_hexdigest(data))

@@ -186,8 +186,11 @@ class FileScan:
             # in place where the span's elements start at element boundaries of the buffer
             # (ckptool's writers align them); else through the copying way, which carries an
             # element a block cuts over to the next
-            if view is None or span._carry or (span.offset - pos) % view[0][0]:
+            if view is None:
                 self._scan(span, block[lo - pos:hi - pos])
+                continue
+            if span._carry or (span.offset - pos) % view[0][0]:
+                _scan_shifted(span, block[lo - pos:hi - pos], view[0])
                 self.copied += hi - lo
                 continue
             spec, typed = view
@@ -220,6 +223,53 @@ class FileScan:
     def unfinished(self) -> list[Span]:
         """Spans the file did not hold to their end (a file shorter than its metadata)."""
         return [s for s in self.spans if s.seen < s.nbytes]
+
+
+def _scan_shifted(span: Span, data, spec: tuple) -> None:
+    """Scan ``data``, the next bytes of a span whose elements are not aligned in the block:
+    the element the last block cut is completed and tested alone, the whole ones through one
+    copy into the thread's aligned scratch block, and a cut one carried to the next block."""
+    size = spec[0]
+    if span._carry:
+        need = size - len(span._carry)
+        span._carry += bytes(data[:need])
+        data = data[need:]
+        if len(span._carry) < size:
+            return
+        _add(span, _one_nonfinite(span._carry, spec))
+        span.seen += size
+        span._carry = b""
+    whole = len(data) - len(data) % size
+    if whole:
+        scratch, typed = _scratch(spec)
+        scratch[:whole] = data[:whole]
+        _add(span, _typed_nonfinite(typed, 0, whole // size, spec))
+        span.seen += whole
+    if whole < len(data):
+        span._carry = bytes(data[whole:])
+
+
+def _one_nonfinite(element: bytes, spec: tuple) -> tuple[int, int]:
+    """(NaN, Inf) count of one little-endian element, in plain ints."""
+    mask, sign, has_inf = spec[1], spec[2], spec[3]
+    bits = int.from_bytes(element, "little") & (sign - 1)
+    if bits < mask:
+        return 0, 0
+    return (0, 1) if has_inf and bits == mask else (1, 0)
+
+
+def _scratch(spec: tuple) -> tuple:
+    """This thread's aligned scratch block (a writable memoryview) and its typed views for
+    ``spec``, made once."""
+    found = getattr(_SCRATCH, "typed", None)
+    if found is None:
+        block = np.empty(SCAN_BLOCK, dtype=np.uint8)
+        found = _SCRATCH.typed = (memoryview(block), block, {})
+    view, block, typed = found
+    key = spec[4:]  # the views' dtypes (one pair for bf16 and fp16 alike)
+    if key not in typed:
+        typed[key] = _typed(block, spec)
+    return view, typed[key]
 
 
 def _typed(raw, spec: tuple) -> tuple:
