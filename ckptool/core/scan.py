@@ -71,35 +71,13 @@ def _np_kind(kind: str) -> tuple:
     return found
 
 
-def _aligned(raw, size: int):
-    """``raw`` (uint8), or a copy of it in an aligned scratch block when its address is not a
-    multiple of ``size`` (a DCP chunk that torch's writer appended anywhere in its file; numpy
-    takes a slow path over unaligned elements)."""
-    if raw.ctypes.data % size == 0:
-        return raw
-    scratch = getattr(_SCRATCH, "block", None)
-    if scratch is None or scratch.size < raw.size:  # a block and an element it cuts
-        scratch = _SCRATCH.block = np.empty(max(raw.size, SCAN_BLOCK + 64), dtype=np.uint8)
-    np.copyto(scratch[:raw.size], raw)
-    return scratch[:raw.size]
-
-
 def nonfinite(data, kind: str) -> tuple[int, int]:
     """(NaN count, Inf count) of the little-endian elements of ``kind`` in buffer ``data``
     (whole elements). Costs one or two reductions per MiB unless the block holds some."""
-    nan = inf = 0
-    spec = _np_kind(kind)
-    raw = np.frombuffer(data, dtype=np.uint8)
-    with np.errstate(over="ignore", invalid="ignore"):  # what the dot gives is looked at
-        for start in range(0, raw.size, SCAN_BLOCK):
-            n, i = _block_nonfinite(raw[start:start + SCAN_BLOCK], spec)
-            nan, inf = nan + n, inf + i
-    return nan, inf
-
-
-def _block_nonfinite(raw, spec: tuple) -> tuple[int, int]:
-    size = spec[0]
-    return _typed_nonfinite(_typed(_aligned(raw, size), spec), 0, raw.size // size, spec)
+    data = memoryview(data).cast("B")
+    span = Span(0, len(data) - len(data) % _FLOATS[kind][0], kind, None)
+    FileScan([span]).feed(0, data)
+    return span.nan, span.inf
 
 
 @dataclass
@@ -171,6 +149,13 @@ class FileScan:
             self._quiet.__exit__(None, None, None)
 
     def feed(self, pos: int, block) -> None:
+        if self._views is None and self.spans:  # unbound (an object store's blocks)
+            with np.errstate(over="ignore", invalid="ignore"):  # what a dot gives is looked at
+                self._feed(pos, block)
+        else:
+            self._feed(pos, block)
+
+    def _feed(self, pos: int, block) -> None:
         end = pos + len(block)
         spans, views = self.spans, self._views
         while self._first < len(spans) and spans[self._first].end <= pos:
@@ -186,11 +171,8 @@ class FileScan:
             # in place where the span's elements start at element boundaries of the buffer
             # (ckptool's writers align them); else through the copying way, which carries an
             # element a block cuts over to the next
-            if view is None:
-                self._scan(span, block[lo - pos:hi - pos])
-                continue
-            if span._carry or (span.offset - pos) % view[0][0]:
-                _scan_shifted(span, block[lo - pos:hi - pos], view[0])
+            if view is None or span._carry or (span.offset - pos) % view[0][0]:
+                _scan_shifted(span, block[lo - pos:hi - pos], _np_kind(span.kind))
                 self.copied += hi - lo
                 continue
             spec, typed = view
@@ -201,24 +183,6 @@ class FileScan:
             if b > a:
                 _add(span, _typed_nonfinite(typed, a, b, spec))
                 span.seen += (b - a) * size
-
-    @staticmethod
-    def _scan(span: Span, data) -> None:
-        size = _FLOATS[span.kind][0]
-        if span._carry:  # complete the element the last block split
-            need = size - len(span._carry)
-            span._carry += bytes(data[:need])
-            data = data[need:]
-            if len(span._carry) == size:
-                _add(span, nonfinite(span._carry, span.kind))
-                span.seen += size
-                span._carry = b""
-        whole = len(data) - len(data) % size
-        if whole:
-            _add(span, nonfinite(data[:whole], span.kind))
-            span.seen += whole
-        if whole < len(data):
-            span._carry += bytes(data[whole:])
 
     def unfinished(self) -> list[Span]:
         """Spans the file did not hold to their end (a file shorter than its metadata)."""
@@ -240,11 +204,14 @@ def _scan_shifted(span: Span, data, spec: tuple) -> None:
         span.seen += size
         span._carry = b""
     whole = len(data) - len(data) % size
-    if whole:
+    done = 0
+    while done < whole:  # a block at a time (an object store's blocks are larger)
         scratch, typed = _scratch(spec)
-        scratch[:whole] = data[:whole]
-        _add(span, _typed_nonfinite(typed, 0, whole // size, spec))
-        span.seen += whole
+        n = min(whole - done, len(scratch))
+        scratch[:n] = data[done:done + n]
+        _add(span, _typed_nonfinite(typed, 0, n // size, spec))
+        span.seen += n
+        done += n
     if whole < len(data):
         span._carry = bytes(data[whole:])
 
