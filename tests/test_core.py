@@ -282,3 +282,18 @@ def test_a_crc_field_alone_does_not_keep_an_archive_from_its_layout():
     second = layouts.open(lambda a, b: other[a:b], len(other), "b")
     assert second.obj is first.obj
     assert torch.equal(second.read_elements(second.obj, 0, 32).reshape(4, 8), t)
+
+
+def test_archive_layouts_keep_a_bounded_number(monkeypatch):
+    """Archives of all-different sizes (uneven shards) keep at most SIZES x PER_SIZE layouts,
+    and each still opens right."""
+    from ckptool.core.torchfile import ArchiveLayouts
+
+    monkeypatch.setattr(ArchiveLayouts, "SIZES", 3)
+    layouts = ArchiveLayouts()
+    for n in range(1, 9):
+        t = torch.arange(n * 64, dtype=torch.float32)
+        raw = _saved(t)
+        archive = layouts.open(lambda a, b, r=raw: r[a:b], len(raw), f"c{n}")
+        assert torch.equal(archive.read_elements(archive.obj, 0, n * 64), t)
+    assert len(layouts._by_size) == 3 and sum(len(v) for v in layouts._by_size.values()) <= 3 * 8

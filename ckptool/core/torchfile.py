@@ -453,9 +453,12 @@ class ArchiveLayouts:
     PER_SIZE = 8
     """Layouts kept per archive size: a file of all-different archives costs at most this
     many failed comparisons (each usually decided by its first bytes) per archive."""
+    SIZES = 512
+    """Archive sizes kept (the least recently opened go first): a checkpoint whose every chunk
+    has a size of its own keeps a few MB of layouts, not one per chunk."""
 
     def __init__(self):
-        self._by_size: dict[int, list[_Layout]] = {}
+        self._by_size: collections.OrderedDict[int, list[_Layout]] = collections.OrderedDict()
 
     def open(self, read: Callable[[int, int], bytes], size: int, source: str) -> TorchFile:
         known = self._by_size.get(size)
@@ -467,6 +470,8 @@ class ArchiveLayouts:
         archive._read = read
         if known is None:
             known = self._by_size[size] = []
+            while len(self._by_size) > self.SIZES:
+                self._by_size.popitem(last=False)
         if len(known) >= self.PER_SIZE:
             known.pop(0)
         known.append(_Layout(archive, recording.ranges, read))
