@@ -249,3 +249,32 @@ def test_blocks_keep_the_phase_of_most_elements_and_still_hash_the_file_whole(tm
     assert scan.unfinished() == [] and np.geterr()["over"] == "warn"
     # in place but for the first block (it starts at 0) and the span out of phase
     assert 0 < scan.copied <= SCAN_BLOCK + len(raw_small)
+
+
+def test_an_element_the_short_first_block_cuts_is_carried_not_lost(tmp_path):
+    """A span aligned at the file's start is read in place in the first block, which the
+    phase of the file's larger class makes short by an odd count: the element that block end
+    cuts is completed from the next block, not dropped, and the rest of the span is still
+    read element by element (a NaN put in that element and one after it are both found)."""
+    from ckptool.core.manifest import hash_file
+    from ckptool.core.scan import SCAN_BLOCK
+    from ckptool.core.storage import Store
+
+    gen = torch.Generator().manual_seed(4)
+    first = torch.randn(SCAN_BLOCK // 2 + 100, generator=gen).bfloat16()  # offset 0, > a block
+    big = torch.randn(SCAN_BLOCK, generator=gen)  # fp32 at an odd offset: it sets the phase
+    at_big = first.numel() * 2 + 1
+    spans = [Span(0, first.numel() * 2, "bfloat16", "first"), Span(at_big, big.numel() * 4, "float32", "big")]
+    probe = FileScan(spans)
+    phase = probe.bind(bytearray(SCAN_BLOCK))
+    probe.release()
+    cut = SCAN_BLOCK - (8 - phase) % 8
+    assert cut % 2 == 1 and cut < first.numel() * 2
+    first[cut // 2] = float("nan")  # the element the first block's end cuts in two
+    first[cut // 2 + 7] = float("inf")
+    data = first.view(torch.int16).numpy().tobytes() + b"\x00" + big.numpy().tobytes()
+    (tmp_path / "f").write_bytes(data)
+    scan = FileScan(spans)
+    assert hash_file(Store.open(str(tmp_path)), "f", scan=scan)[0] == len(data)
+    assert {s.tag: (s.nan, s.inf) for s in scan.spans} == {"first": (1, 1), "big": _expected(big)}
+    assert scan.unfinished() == []

@@ -177,12 +177,14 @@ class FileScan:
                 continue
             spec, typed = view
             size = spec[0]
-            # elements [a, b) of the buffer: whole ones only (one cut by the end of the file
-            # leaves the span unfinished)
+            # elements [a, b) of the buffer: whole ones; one the block cuts is carried (one cut
+            # by the end of the file leaves the span unfinished)
             a, b = (lo - pos) // size, (hi - pos) // size
             if b > a:
                 _add(span, _typed_nonfinite(typed, a, b, spec))
                 span.seen += (b - a) * size
+            if (hi - pos) % size:  # the first block, out of phase with this span, cut an element
+                span._carry = bytes(block[b * size:hi - pos])
 
     def unfinished(self) -> list[Span]:
         """Spans the file did not hold to their end (a file shorter than its metadata)."""
