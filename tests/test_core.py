@@ -297,3 +297,18 @@ def test_archive_layouts_keep_a_bounded_number(monkeypatch):
         archive = layouts.open(lambda a, b, r=raw: r[a:b], len(raw), f"c{n}")
         assert torch.equal(archive.read_elements(archive.obj, 0, n * 64), t)
     assert len(layouts._by_size) == 3 and sum(len(v) for v in layouts._by_size.values()) <= 3 * 8
+
+
+def test_an_archive_whose_parse_reads_much_is_opened_but_not_kept():
+    """A layout keeps what its parse read; an archive with a large pickle is opened in full
+    each time instead of being kept (memory stays bounded by MOST per layout)."""
+    from ckptool.core.torchfile import ArchiveLayouts
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(4.0), "notes": [f"{i:04d}" + "x" * 1000 for i in range(100)]}, buf)
+    raw = buf.getvalue()
+    layouts = ArchiveLayouts()
+    assert len(raw) > ArchiveLayouts.MOST // 2  # a 100 KB pickle
+    archive = layouts.open(lambda a, b: raw[a:b], len(raw), "big")
+    assert torch.equal(archive.read_elements(archive.obj["w"], 0, 4), torch.arange(4.0))
+    assert not any(layouts._by_size.values())

@@ -456,18 +456,28 @@ class ArchiveLayouts:
     SIZES = 512
     """Archive sizes kept (the least recently opened go first): a checkpoint whose every chunk
     has a size of its own keeps a few MB of layouts, not one per chunk."""
+    MOST = 64 << 10
+    """Bytes a layout may keep (what its parse read): a tensor's archive reads ~1 KiB; one
+    with a large pickle is opened in full each time rather than kept."""
 
     def __init__(self):
         self._by_size: collections.OrderedDict[int, list[_Layout]] = collections.OrderedDict()
 
     def open(self, read: Callable[[int, int], bytes], size: int, source: str) -> TorchFile:
         known = self._by_size.get(size)
+        if known is not None:
+            try:
+                self._by_size.move_to_end(size)
+            except KeyError:  # another worker's open dropped it meanwhile
+                pass
         for layout in tuple(known or ()):
             if layout.matches(read):
                 return layout.archive._like(read, source)
         recording = _Recording(read)
         archive = TorchFile(recording, size, source)
         archive._read = read
+        if sum(max(0, end - start) for start, end in recording.ranges) > self.MOST:
+            return archive
         if known is None:
             known = self._by_size[size] = []
             while len(self._by_size) > self.SIZES:
