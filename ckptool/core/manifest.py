@@ -46,29 +46,6 @@ def _read_buffer() -> bytearray:
     return buf
 
 
-def _full_blocks(fd: int, buf: memoryview, phase: int = 0):
-    """Local file ``fd`` from its start, read into ``buf`` (each yielded view is valid until
-    the next; ``len(buf)`` a multiple of 8). Every block but the last ends at a file offset
-    that is ``phase`` modulo 8 (the first is short by ``8 - phase``, the others full), so an
-    element that starts at such an offset starts each block aligned and never straddles two."""
-    pos = 0
-    want = len(buf) - (8 - phase) % 8
-    while True:
-        n = 0
-        while n < want:
-            got = os.preadv(fd, [buf[n:want]], pos + n)
-            if got <= 0:
-                break
-            n += got
-        if not n:
-            return
-        yield buf[:n]
-        pos += n
-        if n < want:
-            return
-        want = len(buf)
-
-
 def _creator() -> str:
     return f"ckptool {VERSION}"
 
@@ -287,7 +264,9 @@ def hash_file(store: Store, rel: str, progress: Callable[[int], Any] | None = No
         except BaseException:
             f.close()
             raise
-        blocks = _full_blocks(f.fileno(), memoryview(buf), phase)
+        # every block but the last ends at `phase` mod 8: an element starting there starts each
+        # block aligned and never straddles two
+        blocks = pread_blocks(f.fileno(), 0, None, memoryview(buf), first=len(buf) - (8 - phase) % 8)
     else:
         f = store.open_file(rel, "rb", block_size=_BLOCK)
         blocks = iter(lambda: f.read(_BLOCK), b"")

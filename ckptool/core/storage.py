@@ -597,16 +597,28 @@ def write_file_atomically(store: Store, rel: str, data: bytes) -> None:
         store.write_bytes(rel, data)  # a single PUT is atomic on object stores
 
 
-def pread_blocks(fd: int, offset: int, count: int, buf: memoryview):
-    """The ``count`` bytes of local file ``fd`` from ``offset``, read into ``buf`` block by
-    block (each yielded view is valid until the next); stops early at the file's end."""
-    done = 0
-    while done < count:
-        n = os.preadv(fd, [buf[:min(len(buf), count - done)]], offset + done)
-        if n <= 0:
+def pread_blocks(fd: int, offset: int, count: int | None, buf: memoryview, first: int | None = None):
+    """The ``count`` bytes of local file ``fd`` from ``offset`` (None: to its end), read into
+    ``buf`` block by block (each yielded view is valid until the next); stops early at the
+    file's end. Every block but the last is full (a short read is read on): the first is
+    ``first`` bytes long when given, the others ``len(buf)``, so where each starts is known."""
+    done, want = 0, len(buf) if first is None else first
+    while count is None or done < count:
+        if count is not None:
+            want = min(want, count - done)
+        n = 0
+        while n < want:
+            got = os.preadv(fd, [buf[n:want]], offset + done + n)
+            if got <= 0:
+                break
+            n += got
+        if not n:
             return
         yield buf[:n]
         done += n
+        if n < want:
+            return
+        want = len(buf)
 
 
 _CANNOT_SYNC = {errno.EINVAL, errno.EROFS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF}
