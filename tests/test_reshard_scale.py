@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import resource
 import signal
 import subprocess
 import sys
@@ -133,6 +135,36 @@ def test_a_rerun_with_other_arguments_does_not_reuse(source, tmp_path, run_cli):
     proc.wait()
     r = run_cli("reshard", source, dst, "--to-dp", "8", "--json")  # another target
     assert r.code == 0 and json.loads(r.out)["reused_files"] == 0
+
+
+def _file_size_cap(limit: int):
+    def cap():  # the kernel then refuses a write past `limit` bytes (EFBIG), as a full disk would
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return cap
+
+
+def test_a_write_the_storage_refuses_keeps_the_finished_files_for_a_rerun(source, tmp_path, run_cli):
+    """A full disk or quota (here: the kernel's file-size limit, EFBIG) is one line naming the
+    file, what is kept and how to go on, exit 2, no DST; the re-run keeps the finished files."""
+    whole = tmp_path / "whole"
+    assert run_cli("reshard", source, whole, "--to-dp", "5").code == 0
+    limit = max(p.stat().st_size for p in whole.glob("*.distcp")) - 1
+    dst = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "ckptool", "reshard", str(source), str(dst), "--to-dp",
+                        "5", "--workers", "1"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, preexec_fn=_file_size_cap(limit))
+    err = r.stderr.strip()
+    assert r.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "refused a write: File too large" in err and ".distcp)" in err and "re-run" in err, err
+    kept, planned = map(int, re.search(r"(\d+) of (\d+) target files are finished", err).groups())
+    assert planned == 5 and kept == sum(len(j.read_text().splitlines())
+                                        for j in tmp_path.glob("out.tmp-*/.ckptool-done*"))
+    assert not dst.exists() and len(list(tmp_path.glob("out.tmp-*"))) == 1
+    rerun = run_cli("reshard", source, dst, "--to-dp", "5", "--json")
+    assert rerun.code == 0 and json.loads(rerun.out)["reused_files"] == kept
+    assert _files(dst) == _files(whole)
+    assert _manifest_files(dst) == _manifest_files(whole)
 
 
 def test_no_fsync_leaves_the_write_back_to_the_kernel_and_writes_the_same_bytes(source, tmp_path,

@@ -62,6 +62,11 @@ class UnsafePickle(UnreadableInput):
     """A pickle refers to a class outside the allowlist (exit 2)."""
 
 
+class OutputFailed(CkptoolError):
+    """The destination's storage refused a write: full, over quota, a file too large for it,
+    or read-only (exit 2). What a rewrite had finished is kept for a re-run to resume."""
+
+
 class BadCheckpoint(CkptoolError):
     """The checkpoint is corrupt, partial or uncommitted (exit 1)."""
 

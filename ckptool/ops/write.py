@@ -8,6 +8,7 @@ storage error) leaves it for a re-run.
 
 from __future__ import annotations
 
+import errno
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -15,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from ckptool.checkpoints.open import Opened, require_safe_pickles
 from ckptool.core.engine import Producer, ScratchPool, TargetFile
-from ckptool.core.errors import CkptoolError
+from ckptool.core.errors import CkptoolError, OutputFailed
 from ckptool.core.index import Writer
 from ckptool.core.layout import ModelSpec
 from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifest
@@ -79,6 +80,10 @@ def _write(job: WriteJob, group: Group, result, progress) -> tuple[str, int]:
             else:
                 try:
                     size, digest = writer.write_file(store, target, produce, index, vocab)
+                except OSError as exc:
+                    if exc.filename is None:  # a write or fsync names no file
+                        exc.filename = f"{store.url.rstrip('/')}/{target.path}"
+                    raise
                 finally:
                     produce.file_done()
                 entry = FileEntry(target.path, size, digest)
@@ -104,7 +109,30 @@ def _write(job: WriteJob, group: Group, result, progress) -> tuple[str, int]:
         if group.rank == 0:
             out.abort()  # bad input: nothing worth resuming
         raise
+    except OSError as exc:
+        if exc.errno not in _STORAGE_REFUSED:
+            raise
+        raise _refused(exc, store, len(job.plan)) from None
     return out.final.url, reused
+
+
+_STORAGE_REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+"""Errors only a write raises: the destination, never the source (kept for a re-run)."""
+
+
+def _refused(exc: OSError, store: Store, planned: int) -> OutputFailed:
+    """One line for a write the destination's storage refused: which file, what is kept, and
+    how to go on (a quota hit at 90 % of a 4 TB rewrite must not cost the 90 %)."""
+    try:
+        finished = len(journal.finished(store))
+    except Exception:  # noqa: BLE001 - the journal is on the same full storage
+        finished = 0
+    return OutputFailed(
+        f"the destination's storage refused a write: {exc.strerror or exc}",
+        path=exc.filename or store.url,
+        hint=f"{finished} of {planned} target files are finished and kept in {store.url}: free "
+             f"space (or raise the quota) and re-run the same command to resume, or delete "
+             f"{store.url} to start over")
 
 
 def _producer(opened: Opened, plan: list[TargetFile]) -> Producer:
