@@ -9,6 +9,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,6 +166,43 @@ def test_a_write_the_storage_refuses_keeps_the_finished_files_for_a_rerun(source
     assert rerun.code == 0 and json.loads(rerun.out)["reused_files"] == kept
     assert _files(dst) == _files(whole)
     assert _manifest_files(dst) == _manifest_files(whole)
+
+
+def test_overwrite_keeps_the_old_destination_until_the_new_one_commits(source, tmp_path, run_cli):
+    """--overwrite replaces DST at the commit: a run that fails (here a write the storage
+    refuses) leaves the old checkpoint whole; one that succeeds leaves no trace of it."""
+    dst = tmp_path / "out"
+    assert run_cli("reshard", source, dst, "--to-dp", "2").code == 0
+    old = _files(dst)
+    limit = max(p.stat().st_size for p in dst.glob("*.distcp")) // 2
+    r = subprocess.run([sys.executable, "-m", "ckptool", "reshard", str(source), str(dst), "--to-dp",
+                        "3", "--overwrite"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       preexec_fn=_file_size_cap(limit))
+    assert r.returncode == 2 and "refused a write" in r.stderr, r.stderr
+    assert _files(dst) == old and run_cli("verify", dst).code == 0
+    assert run_cli("reshard", source, dst, "--to-dp", "3", "--overwrite").code == 0
+    assert len(list(dst.glob("*.distcp"))) == 3 and run_cli("verify", "--deep", dst).code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing left aside
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "holds", "via-symlink"])
+def test_a_destination_that_overlaps_the_source_is_refused(where, source, tmp_path, run_cli):
+    """Writing where the source is (itself, inside it, or a directory holding it, with
+    --overwrite) would delete or mix into what is being read: refused, nothing touched."""
+    run = tmp_path / "run"
+    src = run / "step_7"
+    src.parent.mkdir()
+    shutil.copytree(source, src)
+    (tmp_path / "link").symlink_to(run)
+    before = _files(tmp_path)
+    dst = {"same": src, "inside": src / "resharded", "holds": run,
+           "via-symlink": tmp_path / "link" / "step_7" / ".." / "step_7"}[where]
+    for cmd in (["reshard", src, dst, "--to-dp", "2"], ["reshard", run, dst, "--to-dp", "2", "--dry-run"],
+                ["convert", src, dst, "--to", "megatron"]):
+        r = run_cli(*cmd, "--overwrite")
+        assert r.code == 2 and len(r.err.strip().splitlines()) == 1, r.err
+        assert "the destination " in r.err and "source" in r.err, r.err
+    assert _files(tmp_path) == before and not list(tmp_path.rglob("*.tmp-*"))
 
 
 def test_no_fsync_leaves_the_write_back_to_the_kernel_and_writes_the_same_bytes(source, tmp_path,

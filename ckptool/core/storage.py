@@ -350,6 +350,28 @@ def _within(real: str, boundary: str) -> bool:
     return real == boundary or real.startswith(boundary.rstrip("/") + "/")
 
 
+def overlap(source: Store, dst_url: str) -> str | None:
+    """How writing a checkpoint at ``dst_url`` would touch what ``source`` reads ("is the
+    source", "is inside the source", "holds the source"), or None. Local paths are compared
+    resolved, so a symlink or ``..`` does not hide it; object stores by bucket and key."""
+    dst = Store.open(dst_url)
+    if source.is_local != dst.is_local:
+        return None
+    if source.is_local:
+        src, out = source._real_boundary(), os.path.realpath(dst.root)
+    elif type(source.fs) is not type(dst.fs):
+        return None
+    else:
+        src, out = source.root.rstrip("/"), dst.root.rstrip("/")
+    if src == out:
+        return "is the source"
+    if _within(out, src):
+        return "is inside the source"
+    if _within(src, out):
+        return "holds the source"
+    return None
+
+
 _HUB_SNAPSHOT = re.compile(r"^(?P<repo>.*/(models|datasets)--[^/]+)/snapshots/[^/]+$")
 
 
@@ -519,10 +541,15 @@ class AtomicOutput:
 
 class RenameOutput(AtomicOutput):
     """POSIX: write to ``NAME.tmp-<id>/`` and rename into place. With a ``resume_key`` the
-    id is that key, so a re-run of the same job finds what an interrupted one wrote."""
+    id is that key, so a re-run of the same job finds what an interrupted one wrote.
 
-    def __init__(self, final: Store, resume_key: str | None = None):
+    ``replace``: what is at ``NAME`` (``--overwrite``) stays there until the commit, which
+    moves it aside to a ``.tmp-`` name, renames the new output in and then deletes it: a
+    failed or interrupted run leaves the old checkpoint as it was."""
+
+    def __init__(self, final: Store, resume_key: str | None = None, replace: bool = False):
         self.final = final
+        self.replace = replace
         tmp_root = f"{final.root}{TMP_MARK}{resume_key or uuid.uuid4().hex[:12]}"
         self.store = Store(f"{final.url}{tmp_root[len(final.root):]}", final.fs, tmp_root, final.durable)
         final.fs.makedirs(tmp_root, exist_ok=resume_key is not None)
@@ -532,9 +559,18 @@ class RenameOutput(AtomicOutput):
         if self.final.durable:  # every new directory's entries (iter_*/mp_rank_*/...), then the rename
             for path, _, _ in os.walk(self.store.root, topdown=False):
                 _fsync_dir(path)
+        old = None
+        if self.replace and os.path.lexists(self.final.root):
+            old = f"{self.final.root}{TMP_MARK}{uuid.uuid4().hex[:12]}"  # never read by `latest`
+            os.rename(self.final.root, old)
         os.rename(self.store.root, self.final.root)
         if self.final.durable:
             _fsync_dir(os.path.dirname(self.final.root) or ".")
+        if old is not None:
+            if os.path.isdir(old) and not os.path.islink(old):
+                self.final.fs.rm(old, recursive=True)
+            else:
+                os.unlink(old)
         return self.final
 
 
@@ -572,7 +608,9 @@ def atomic_output(url: str, *, overwrite: bool = False, resume_key: str | None =
         if not overwrite:
             raise UsageError(f"destination {final.url} already exists",
                              hint="Choose a new path or pass --overwrite")
-        final.fs.rm(final.root, recursive=True)
+        if final.is_local:  # replaced at the commit, not before: a failed run keeps it
+            return RenameOutput(final, resume_key, replace=True)
+        final.fs.rm(final.root, recursive=True)  # written in place: the old must go first
     if final.is_local:
         final.fs.makedirs(posixpath.dirname(final.root) or ".", exist_ok=True)
         return RenameOutput(final, resume_key)

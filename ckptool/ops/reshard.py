@@ -27,6 +27,7 @@ from ckptool.core.gcpause import paused_gc
 from ckptool.core.layout import check as check_layout
 from ckptool.core.optimizer import FreshReader, fresh_state, is_optimizer_key, state_key
 from ckptool.core.progress import step as progress_step
+from ckptool.core.storage import overlap
 from ckptool.ops.write import WriteJob, write_output
 from converters.schemas.hf import refuse_uncarried_config
 from converters.schemas.megatron_args import refuse_uncarried_args
@@ -171,6 +172,10 @@ def rewrite(opened: Opened, dst: str, fmt: str, options: RewriteOptions,
     """The one path for reshard and convert: plan the target files, fill them region by
     region from the source, commit atomically."""
     started = time.perf_counter()
+    if why := overlap(opened.store, dst):
+        raise UsageError(f"the destination {why}", path=f"{dst} -> {opened.store.url}",
+                         hint="Write to a new path outside the source checkpoint (and move it "
+                              "afterwards if you must); nothing was written")
     require_safe_pickles(opened)
     target_format = converters.writer_class(fmt)  # what the format can do
     if fmt != opened.format:
