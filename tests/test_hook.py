@@ -124,6 +124,25 @@ def test_failed_write_raises_on_wait_and_commits_nothing(tmp_path, monkeypatch):
     assert torch.equal(state["w"], torch.ones(4))
 
 
+def test_keep_last_never_deletes_what_the_hook_did_not_write(tmp_path, run_cli):
+    """A user's offline outputs beside the hook's (a conversion of an old step, a reshard kept
+    in the run root) are committed ckptool checkpoints too: retention neither counts nor
+    deletes them."""
+    from training import AsyncCheckpointer
+
+    root = tmp_path / "run"
+    ckpt = AsyncCheckpointer(str(root), keep_last=2)
+    ckpt.save(1, {"w": torch.ones(4)})
+    ckpt.wait()
+    assert run_cli("reshard", root / "step_00000001", root / "step_1_dp2", "--to-dp", "2").code == 0
+    assert run_cli("reshard", root / "step_00000001", root / "old-dp3", "--to-dp", "3").code == 0
+    for step in (2, 3, 4):
+        ckpt.save(step, {"w": torch.ones(4) * step})
+        ckpt.wait()
+    assert sorted(p.name for p in root.iterdir()) == ["old-dp3", "step_00000003", "step_00000004",
+                                                      "step_1_dp2"]
+
+
 def test_megatron_scheduler_of_a_hook_checkpoint_is_one_entry_for_the_megatron_writers(tmp_path):
     """The hook stores ``state["opt_param_scheduler"]`` one DCP object per field; the Megatron
     writers' ``adopt_dcp_common`` gives them back as the one dict Megatron-LM loads. Names

@@ -49,6 +49,9 @@ from training.state import (
 logger = logging.getLogger(__name__)
 
 STEP_DIR = "step_{:08d}"
+_STEP = re.compile(r"^step_\d{8}$")
+"""The hook's own checkpoints: the only ones ``keep_last`` counts and deletes (a user's
+``ckptool convert run/step_00000100 run/hf-100`` beside them is never touched)."""
 _TMP_STEP = re.compile(r"^step_(\d{8})\.tmp-[0-9a-f]+$")
 
 
@@ -306,12 +309,13 @@ class AsyncCheckpointer:
                     pass
 
     def _retain(self, newest: Store) -> None:
-        """Delete committed checkpoints older than the ``keep_last`` newest; never others."""
+        """Delete the hook's committed checkpoints older than its ``keep_last`` newest; never
+        others (temporary ones, anything else in the root, such as a user's offline outputs)."""
         if not self.keep_last:
             return
 
         committed = [c for c in candidates(self.root) if not c.temporary
-                     and c.store.exists("ckptool.json")]
+                     and _STEP.match(c.store.name) and c.store.exists("ckptool.json")]
         for cand in committed[self.keep_last:]:
             if cand.store.url != newest.url and not is_temporary(cand.store.name):
                 cand.store.fs.rm(cand.store.root, recursive=True)
