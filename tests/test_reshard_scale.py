@@ -205,6 +205,13 @@ def test_a_destination_that_overlaps_the_source_is_refused(where, source, tmp_pa
     assert _files(tmp_path) == before and not list(tmp_path.rglob("*.tmp-*"))
 
 
+def test_a_destination_that_cannot_be_made_is_one_line(source, tmp_path, run_cli):
+    (tmp_path / "a-file").write_text("not a directory")
+    r = run_cli("reshard", source, tmp_path / "a-file" / "out", "--to-dp", "2")
+    assert r.code == 2 and len(r.err.strip().splitlines()) == 1, r.err
+    assert "cannot create the destination" in r.err and "a-file" in r.err, r.err
+
+
 def test_no_fsync_leaves_the_write_back_to_the_kernel_and_writes_the_same_bytes(source, tmp_path,
                                                                                run_cli, monkeypatch):
     """--no-fsync (as cp and DCP's sync_files=False): not one fsync, nor an early write-back,

@@ -30,6 +30,7 @@ from ckptool.core.errors import (
     BadCheckpoint,
     DanglingPointer,
     NotRegularFile,
+    OutputFailed,
     PathEscape,
     UnreadableInput,
     UsageError,
@@ -609,14 +610,24 @@ def atomic_output(url: str, *, overwrite: bool = False, resume_key: str | None =
             raise UsageError(f"destination {final.url} already exists",
                              hint="Choose a new path or pass --overwrite")
         if final.is_local:  # replaced at the commit, not before: a failed run keeps it
-            return RenameOutput(final, resume_key, replace=True)
+            return _rename_output(final, resume_key, replace=True)
         final.fs.rm(final.root, recursive=True)  # written in place: the old must go first
     if final.is_local:
-        final.fs.makedirs(posixpath.dirname(final.root) or ".", exist_ok=True)
-        return RenameOutput(final, resume_key)
+        return _rename_output(final, resume_key)
     if resume_key is not None:
         final.write_bytes(RESUME_KEY_FILE, resume_key.encode())
     return MarkerOutput(final)
+
+
+def _rename_output(final: Store, resume_key: str | None, replace: bool = False) -> RenameOutput:
+    try:
+        final.fs.makedirs(posixpath.dirname(final.root) or ".", exist_ok=True)
+        return RenameOutput(final, resume_key, replace)
+    except OSError as exc:
+        raise OutputFailed(f"cannot create the destination: {exc.strerror or exc}",
+                           path=exc.filename or final.url,
+                           hint="Choose a path whose directory exists or can be made, and is "
+                                "writable") from None
 
 
 def write_file_atomically(store: Store, rel: str, data: bytes) -> None:
