@@ -219,6 +219,86 @@ def test_llama3_scaling_survives_hf_and_deepspeed_round_trips(hf_models, tmp_pat
                    "original_max_position_embeddings=16, which Megatron output cannot express")
 
 
+LOSSY = {
+    "llama-yarn": (None, None, dict(rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                     "rope_theta": 10000.0,
+                                                     "original_max_position_embeddings": 8})),
+    "phi3-longrope": ("Phi3ForCausalLM", "Phi3Config", dict(
+        pad_token_id=0, original_max_position_embeddings=16, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 2.5],
+            "long_factor": [2.0, 3.0, 4.0, 5.0], "original_max_position_embeddings": 16})),
+    "qwen2-window-pattern": ("Qwen2ForCausalLM", "Qwen2Config", dict(
+        use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+}
+"""Fields the ModelSpec reads only approximately (RoPE types ckptool does not map, a per-layer
+window pattern): formats that carry the spec alone refuse them."""
+
+
+@pytest.mark.parametrize("name", sorted(LOSSY))
+def test_fields_the_spec_cannot_hold_survive_hf_and_deepspeed_as_they_are(name, tmp_path, run_cli):
+    """An output that keeps config.json keeps these fields as the source has them: they were
+    rewritten from the spec's approximate reading (yarn or longrope as default RoPE, the
+    window pattern as none), exit 0 with logits off by 1-3."""
+    cls, config_cls, config = LOSSY[name]
+    src = save_hf(tmp_path / "src", cls and getattr(transformers, cls),
+                  config_cls and getattr(transformers, config_cls), **config)
+    want = logits(src)
+    field = "layer_types" if "window" in name else "rope_parameters"
+    source_field = json.loads((src / "config.json").read_text())[field]
+    hf, ds, back = tmp_path / "hf", tmp_path / "ds", tmp_path / "back"
+    for step in (("convert", src, hf, "--to", "hf"), ("convert", src, ds, "--to", "deepspeed"),
+                 ("convert", ds, back, "--to", "hf")):
+        r = run_cli(*step)
+        assert r.code == 0, r.err
+    for out in (hf, back):
+        assert json.loads((out / "config.json").read_text())[field] == source_field
+        assert (logits(out) - want).abs().max() < 1e-5
+    dst = tmp_path / "mg"
+    r = run_cli("convert", src, dst, "--to", "megatron")
+    assert r.code == 2 and not dst.exists(), r.err
+
+
+QWEN_WINDOWS = {  # (model, config edits, what transformers runs)
+    # no use_sliding_window key: transformers' default, False: no window
+    "qwen2-no-use-key": ("Qwen2", dict(use_sliding_window=None, sliding_window=4, layer_types=None),
+                         "none"),
+    # Qwen2-MoE windows the even layers below max_window_layers: 0 is no window at all
+    "qwen2_moe-below-0": ("Qwen2Moe", dict(use_sliding_window=True, sliding_window=4,
+                                           max_window_layers=0, layer_types=None), "none"),
+    # ... and 2 is layer 0 alone of 2: a pattern, refused
+    "qwen2_moe-below-2": ("Qwen2Moe", dict(use_sliding_window=True, sliding_window=4,
+                                           max_window_layers=2, layer_types=None), "refused"),
+    # Qwen2 windows the layers from max_window_layers on: 0 is every layer
+    "qwen2-from-0": ("Qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0,
+                                   layer_types=None), "every layer"),
+}
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+           shared_expert_intermediate_size=40)
+
+
+@pytest.mark.parametrize("name", sorted(QWEN_WINDOWS))
+def test_qwen_windows_are_read_as_transformers_reads_them(name, tmp_path, run_cli):
+    """Each Qwen class reads use_sliding_window / max_window_layers its own way (a config
+    without layer_types, as transformers 4 wrote them): through Megatron (the spec) and back,
+    the model computes what transformers computes, or the conversion is refused."""
+    model, edits, runs = QWEN_WINDOWS[name]
+    extra = MOE if model == "Qwen2Moe" else {}
+    src = save_hf(tmp_path / "made", getattr(transformers, f"{model}ForCausalLM"),
+                  getattr(transformers, f"{model}Config"), **extra)
+    src = edit_config(src, tmp_path / "src", **edits)
+    want = logits(src)
+    plain = edit_config(src, tmp_path / "plain", use_sliding_window=False)
+    assert ((logits(plain) - want).abs().max() < 1e-6) == (runs == "none")  # the premise
+    mid, back = tmp_path / "mg", tmp_path / "back"
+    r = run_cli("convert", src, mid, "--to", "megatron")
+    if runs == "refused":
+        assert_refused(r, mid, "max_window_layers")
+        return
+    assert r.code == 0, r.err
+    assert run_cli("convert", mid, back, "--to", "hf").code == 0
+    assert (logits(back) - want).abs().max() < 1e-5
+
+
 def test_no_op_fields_convert_with_the_same_logits(hf_models, tmp_path, run_cli):
     """Fields at their no-op values (and neutral ones) do not stop hf -> megatron -> hf,
     which gives the source's logits."""

@@ -357,7 +357,10 @@ class Family:
         out = dict(base or {})
         out.update(self.extra)
         out.update(architectures=[self.architecture], model_type=self.model_types[0])
+        kept = base is not None and base.get("model_type", self.model_types[0]) == self.model_types[0]
         for rule in self.config:
+            if kept and rule.problem(base) is not None:
+                continue  # the spec holds this value only approximately: the source's fields stay
             out.update(rule.write(spec, vocab, base or {}))
         return out
 

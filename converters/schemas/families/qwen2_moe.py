@@ -61,6 +61,6 @@ FAMILY = Family(
     embedding="model.embed_tokens.weight", layer="model.layers.{i}.",
     layer_tensors=ATTENTION + PROJ + MOE + NORMS, final=FINAL, head="lm_head.weight",
     config=(*[r for r in llama_sizes() if "intermediate_size" not in r.fields], *EXPERTS,
-            tie(False), ROPE, SILU, window(qwen=True)),
+            tie(False), ROPE, SILU, window(qwen="qwen2_moe")),
     traits="Qwen2's attention, a MoE MLP with a gated shared expert",
 )

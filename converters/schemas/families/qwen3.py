@@ -29,6 +29,6 @@ FAMILY = Family(
     features=("tied_embeddings", "grouped_query_attention", "head_dim", "rope_scaling", "window_size"),
     embedding="model.embed_tokens.weight", layer="model.layers.{i}.", layer_tensors=LAYER,
     final=FINAL, head="lm_head.weight",
-    config=(*llama_sizes(), tie(False), ROPE, SILU, window(qwen=True), *fixed_false("attention_bias")),
+    config=(*llama_sizes(), tie(False), ROPE, SILU, window(qwen="qwen2"), *fixed_false("attention_bias")),
     traits="RMSNorm, SwiGLU, rotary positions and QK norms",
 )

@@ -33,6 +33,6 @@ FAMILY = Family(
     layer_tensors=ATTENTION + tuple(t for t in MOE if t.when is None) + NORMS, final=FINAL,
     head="lm_head.weight",
     config=(*[r for r in llama_sizes(head_dim=128) if "intermediate_size" not in r.fields], *EXPERTS,
-            tie(False), ROPE, SILU, window(qwen=True), *fixed_false("attention_bias")),
+            tie(False), ROPE, SILU, window(qwen="qwen3_moe"), *fixed_false("attention_bias")),
     traits="Qwen3's attention (QK norms) and a MoE MLP",
 )

@@ -151,33 +151,50 @@ ROPE = Feature(("rope_theta", "rope_parameters", "rope_scaling", "partial_rotary
 _WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
 
 
-def _window(config: dict, pattern: bool = False) -> tuple[int | None, Problem | None]:
+QWEN_WINDOWS = ("qwen2", "qwen2_moe", "qwen3_moe")
+"""How transformers reads a Qwen config's window (its ``use_sliding_window``, default False,
+gates the window everywhere): ``qwen2`` (Qwen2, Qwen3): without ``layer_types``, layers
+``i >= max_window_layers``; ``qwen2_moe``: the even layers ``i < max_window_layers``;
+``qwen3_moe``: every layer (``max_window_layers`` and ``layer_types`` unused)."""
+
+
+def _window(config: dict, pattern: bool = False, qwen: str | None = None
+            ) -> tuple[int | None, Problem | None]:
     """The window every layer uses (None: full attention), or what is not one window
-    (``pattern``: a per-layer pattern is read by :func:`_pattern` instead)."""
+    (``pattern``: a per-layer pattern is read by :func:`_pattern` instead). ``qwen``: the
+    family's reading of :data:`QWEN_WINDOWS`."""
     window = config.get("sliding_window")
-    if config.get("use_sliding_window") is False:
-        window = None
+    if config.get("use_sliding_window") is False or qwen and config.get("use_sliding_window") is not True:
+        window = None  # a Qwen config without use_sliding_window: transformers' default, False
+    if window is not None and not isinstance(window, int):
+        return None, Problem("sliding_window", window, "an integer or null")
     types = config.get("layer_types")
-    if isinstance(types, list) and types:
+    if isinstance(types, list) and types and qwen != "qwen3_moe":
         kinds = set(types)
-        if kinds == {"full_attention"}:
-            return None, None
+        if kinds == {"full_attention"} or qwen and window is None:
+            return None, None  # Qwen's sliding layers without use_sliding_window attend to all
         if kinds <= {"sliding_attention", "full_attention"} and isinstance(window, int) and \
                 (pattern or kinds == {"sliding_attention"}):
             return window, None
         return None, Problem("layer_types", types, "one kind of attention on every layer")
-    if window is not None and not isinstance(window, int):
-        return None, Problem("sliding_window", window, "an integer or null")
-    if window is not None and config.get("use_sliding_window") and \
-            int(config.get("max_window_layers") or 0) not in (0,):
-        return None, Problem("max_window_layers", config.get("max_window_layers"),
-                             "0 (a window on every layer) with use_sliding_window")
-    return window, None
+    if window is None or qwen not in ("qwen2", "qwen2_moe"):
+        return window, None
+    layers, below = int(config.get("num_hidden_layers") or 0), int(config.get("max_window_layers") or 0)
+    windowed = [i for i in range(layers) if (i >= below if qwen == "qwen2" else i % 2 == 0 and i < below)]
+    if not windowed:
+        return None, None
+    if len(windowed) == layers:
+        return window, None
+    return None, Problem("max_window_layers", config.get("max_window_layers"),
+                         "a window on every layer or on none with use_sliding_window (it sets "
+                         f"{'the layers from it on' if qwen == 'qwen2' else 'the even layers below it'})")
 
 
-def window(written: tuple[str, ...] = ("sliding_window",), qwen: bool = False) -> Rule:
+def window(written: tuple[str, ...] = ("sliding_window",), qwen: str | None = None) -> Rule:
     """The sliding window: one per model, on every layer (per-layer patterns are refused).
-    ``qwen``: Qwen2's ``use_sliding_window``/``max_window_layers`` spelling."""
+    ``qwen``: the Qwen spelling (``use_sliding_window``, ``max_window_layers``), read as that
+    family's transformers class reads it (:data:`QWEN_WINDOWS`)."""
+    assert qwen in (None, *QWEN_WINDOWS), qwen
 
     def write(spec, vocab, base):
         if qwen:
@@ -191,8 +208,8 @@ def window(written: tuple[str, ...] = ("sliding_window",), qwen: bool = False) -
                 * spec.num_layers
         return out
 
-    return Feature(_WINDOW_FIELDS, lambda c: {"window_size": _window(c)[0]}, write,
-                   lambda c: _window(c)[1])
+    return Feature(_WINDOW_FIELDS, lambda c: {"window_size": _window(c, qwen=qwen)[0]}, write,
+                   lambda c: _window(c, qwen=qwen)[1])
 
 
 def _pattern(config: dict) -> str | None:
