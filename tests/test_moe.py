@@ -196,21 +196,42 @@ def test_megatron_core_moe_converts_to_mixtral_with_its_logits(ep2, tmp_path, ru
     assert_close(hf_logits(model, M.MOE["vocab_size"]), want)
 
 
-def test_other_routers_are_refused_where_the_args_are_not_kept(ep2, tmp_path, run_cli):
-    """A router that is not Mixtral's (sigmoid scores, as DeepSeek-V3's) cannot be written
-    as an HF or dcp model: refused, naming the arg."""
+@pytest.mark.parametrize("arg,value", [
+    ("moe_router_score_function", "sigmoid"),  # DeepSeek-V3's scores
+    ("moe_router_load_balancing_type", "sinkhorn"),  # softmax over every expert, no renormalising
+    ("moe_apply_probs_on_input", True),  # the probability scales the expert's input
+    ("moe_router_force_load_balancing", True),  # random logits route
+])
+def test_other_routers_are_refused_where_the_args_are_not_kept(ep2, tmp_path, run_cli, arg, value):
+    """A router that is not Mixtral's cannot be written as an HF or dcp model: refused,
+    naming the arg (each of these ran in Megatron-Core with other logits than the Mixtral
+    written from it, exit 0, before they were listed)."""
     src, _ = ep2
-    bad = tmp_path / "sigmoid"
+    bad = tmp_path / "other"
     shutil.copytree(src, bad)
     for f in bad.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
         state = torch.load(f, weights_only=False)
-        state["args"].moe_router_score_function = "sigmoid"
+        setattr(state["args"], arg, value)
         torch.save(state, f)
     for target in ("hf", "dcp"):
         dst = tmp_path / target
         r = run_cli("convert", bad, dst, "--to", target, "--true-vocab-size", M.MOE["vocab_size"])
-        assert r.code == 2 and "moe_router_score_function='sigmoid'" in r.err, r.err
+        assert r.code == 2 and f"{arg}={value!r}" in r.err, r.err
         assert not dst.exists()
+
+
+def test_top1_routing_megatron_cannot_build_is_refused(tmp_path, run_cli):
+    """Mixtral at top-1 weights the chosen expert by 1; Megatron-Core builds top-1 only with
+    --moe-router-pre-softmax, which weights it by its probability: no Megatron form."""
+    transformers = peer("transformers")
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=1)).save_pretrained(tmp_path / "src")
+    for target in ("megatron", "megatron-dist"):
+        r = run_cli("convert", tmp_path / "src", tmp_path / target, "--to", target)
+        assert r.code == 2 and "top-1 routing" in r.err and not (tmp_path / target).exists(), r.err
+    assert run_cli("convert", tmp_path / "src", tmp_path / "dcp", "--to", "dcp").code == 0
 
 
 def test_plan_accounts_experts_by_ep_and_lists_the_ep_sizes_a_restart_can_use(ep2, run_cli):

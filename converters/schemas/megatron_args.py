@@ -160,6 +160,10 @@ _NOT_IN_MEGATRON = (
      "one window on every layer (--window-size)"),
     (lambda s: s.rope_local_base is not None, "a RoPE theta of its own on sliding layers ({rope_local_base})",
      "one --rotary-base"),
+    (lambda s: s.num_experts is not None and s.moe_router_topk == 1 and not s.moe_router_pre_softmax,
+     "top-1 routing that weights the chosen expert by 1 (a softmax over one logit)",
+     "top-1 with --moe-router-pre-softmax, which weights it by its probability (Megatron-Core "
+     "builds no top-1 router without it)"),
 )
 """Model features Megatron args cannot express: (is it on, the feature, what Megatron takes)."""
 
@@ -221,6 +225,11 @@ def _off(value, args) -> bool:
     return value in (None, False)
 
 
+def _moe_only(test):
+    """A router setting: a no-op in a model without experts (Megatron-LM stores its defaults)."""
+    return lambda value, args: test(value, args) or not _get(args, "num_experts")
+
+
 def _rope_only(test):
     """A RoPE setting: a no-op when the model has no rotary positions."""
     return lambda value, args: test(value, args) or \
@@ -267,6 +276,14 @@ MATH_ARGS = {
     "moe_router_num_groups": ("null", lambda v, a: not v),
     "moe_router_group_topk": ("null", lambda v, a: not v),
     "moe_expert_capacity_factor": ("null (no token dropping)", lambda v, a: v is None),
+    # the auxiliary losses shape training only; sinkhorn routes otherwise (softmax over every
+    # expert's logit, no renormalisation over the chosen ones)
+    "moe_router_load_balancing_type": ("aux_loss, seq_aux_loss, global_aux_loss or none", _moe_only(
+        lambda v, a: all(t in (None, "aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+                         for t in (v if isinstance(v, (list, tuple)) else [v])))),
+    "moe_apply_probs_on_input": ("false (the probability scales the expert's output)", _moe_only(_off)),
+    "moe_router_force_load_balancing": ("false (routing by the router's logits)", _moe_only(_off)),
+    "moe_router_topk_limited_devices": ("null", _moe_only(lambda v, a: not v)),
     "moe_input_jitter_eps": ("null", lambda v, a: v is None),
     "moe_layer_freq": ("1 (every layer MoE)", lambda v, a: v in (None, 1)),
     "moe_shared_expert_intermediate_size": ("any (with its sigmoid gate, Qwen2-MoE's)",
