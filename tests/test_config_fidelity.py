@@ -299,6 +299,21 @@ def test_qwen_windows_are_read_as_transformers_reads_them(name, tmp_path, run_cl
     assert (logits(back) - want).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("model", ["Gemma2", "Gemma3Text"])
+def test_gemma2_and_3_with_the_exact_gelu_are_refused(model, tmp_path, run_cli):
+    """Gemma 2/3 read hidden_activation, where "gelu" is the exact GELU (only Gemma 1's
+    hidden_act="gelu" means the tanh form): it was written back as gelu_pytorch_tanh, exit 0."""
+    cls = transformers.Gemma2ForCausalLM if model == "Gemma2" else transformers.Gemma3ForCausalLM
+    src = save_hf(tmp_path / "src", cls, getattr(transformers, f"{model}Config"), head_dim=8,
+                  hidden_activation="gelu")
+    tanh = edit_config(src, tmp_path / "tanh", hidden_activation="gelu_pytorch_tanh")
+    assert (logits(tanh) - logits(src)).abs().max() > 1e-4  # the premise: another model
+    for target in ("hf", "dcp"):
+        assert_refused(run_cli("convert", src, tmp_path / target, "--to", target), tmp_path / target,
+                       "hidden_activation='gelu'")
+    assert run_cli("convert", tanh, tmp_path / "ok", "--to", "hf").code == 0
+
+
 def test_no_op_fields_convert_with_the_same_logits(hf_models, tmp_path, run_cli):
     """Fields at their no-op values (and neutral ones) do not stop hf -> megatron -> hf,
     which gives the source's logits."""

@@ -26,7 +26,10 @@ from converters.schemas.families.rules import (
 
 GEMMA_CORE = dict(swiglu=True, activation="gelu_tanh", normalization="RMSNorm", learned_positions=False,
                   add_bias=False, norm_offset=True, embedding_scale=True)
-_TANH = ("gelu_pytorch_tanh", "gelu")  # transformers runs "gelu" as the tanh approximation
+_TANH = ("gelu_pytorch_tanh", "gelu")
+"""Gemma's ``hidden_act``: transformers runs "gelu" as the tanh approximation there (GemmaConfig
+rewrites it). Gemma 2 and 3 read ``hidden_activation`` instead, where "gelu" is the exact erf
+GELU: another model, refused."""
 NOT_BIDIRECTIONAL = Fixed("use_bidirectional_attention", (None, False), schema=False, written=False)
 FEATURES = ("tied_embeddings", "grouped_query_attention", "head_dim", "gated_gelu")
 
@@ -67,7 +70,7 @@ GEMMA2 = Family(
     embedding="model.embed_tokens.weight", layer="model.layers.{i}.",
     layer_tensors=QKV + PROJ + MLP + SANDWICH, final=FINAL, head="lm_head.weight",
     config=(*llama_sizes(head_dim=256), tie(True), ROPE,
-            Fixed("hidden_activation", (_TANH[0], _TANH[1], None)), Fixed("hidden_act", (None, *_TANH), written=False),
+            Fixed("hidden_activation", (_TANH[0], None)), Fixed("hidden_act", (None, *_TANH), written=False),
             *fixed_false("attention_bias"), NOT_BIDIRECTIONAL, WINDOW_PATTERN, QUERY_SCALE,
             _float_or_none("attn_logit_softcapping", "attn_softcap"),
             _float_or_none("final_logit_softcapping", "final_softcap")),
@@ -121,7 +124,7 @@ GEMMA3 = Family(
     layer_tensors=QKV + PROJ + (T("self_attn.q_norm.weight", "q_norm"), T("self_attn.k_norm.weight", "k_norm"))
     + MLP + SANDWICH, final=FINAL, head="lm_head.weight",
     config=(*llama_sizes(head_dim=256), tie(True), ROPE3,
-            Fixed("hidden_activation", (_TANH[0], _TANH[1], None)), Fixed("hidden_act", (None, *_TANH), written=False),
+            Fixed("hidden_activation", (_TANH[0], None)), Fixed("hidden_act", (None, *_TANH), written=False),
             *fixed_false("attention_bias"), NOT_BIDIRECTIONAL, WINDOW_PATTERN, QUERY_SCALE,
             IGNORED_SOFTCAP, _float_or_none("final_logit_softcapping", "final_softcap")),
     traits="Gemma 2's, with per-head QK norms and a RoPE theta per layer type",
