@@ -200,7 +200,25 @@ def feature_notes(index: CheckpointIndex) -> list[str]:
     if spec.rope_scaling == "llama3":
         notes.append("Llama 3.1 RoPE scaling written as --use-rope-scaling (Megatron-Core's factors: "
                      "8, 1, 4, original context 8192)")
+    if not spec.swiglu and spec.activation in ("gelu", "gelu_tanh"):
+        notes.append(_GELU_NOTES[spec.activation, bool(spec.add_bias)])
     return notes
+
+
+_GELU_NOTES = {
+    ("gelu", True): "the MLP's GELU is the exact (erf) form: run Megatron with --no-bias-gelu-fusion "
+                    "(its default fused bias-GELU computes the tanh approximation)",
+    ("gelu", False): "the MLP's GELU is the exact (erf) form, which Megatron runs without --openai-gelu",
+    ("gelu_tanh", True): "the MLP's GELU is the tanh approximation (gelu_new): Megatron runs it with its "
+                         "default --bias-gelu-fusion (the fused bias-GELU is the tanh form), the legacy "
+                         "model also with --openai-gelu; --no-bias-gelu-fusion would run the exact GELU "
+                         "in Megatron-Core",
+    ("gelu_tanh", False): "the MLP's GELU is the tanh approximation (gelu_new): only Megatron-LM's legacy "
+                          "model runs it (--openai-gelu); Megatron-Core runs the exact GELU here",
+}
+"""Which GELU a resumed Megatron job runs is set by its launch flags, which Megatron-LM never
+reads from a checkpoint's args: Megatron-Core ignores --openai-gelu, and its fused bias-GELU
+(--bias-gelu-fusion, on by default where the MLP has biases) is the tanh form."""
 
 
 def refuse_unexpressed(spec: ModelSpec, target: str, where: str) -> None:
