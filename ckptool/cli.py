@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from ckptool.core import VERSION, gcpause, progress
-from ckptool.core.errors import CkptoolError, NoCheckpoint, UsageError
+from ckptool.core.errors import CkptoolError, NoCheckpoint, UsageError, bounded
 
 
 class Output:
@@ -554,8 +554,16 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as exc:
         if os.environ.get("CKPTOOL_DEBUG"):
             raise
-        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-        click.echo(f"ckptool: error: {exc.strerror or exc}{where}", err=True)
+        where = f" ({bounded(exc.filename)})" if getattr(exc, "filename", None) else ""
+        click.echo(f"ckptool: error: {bounded(exc.strerror or exc, 600)}{where}", err=True)
+        sys.exit(2)
+    except (Exception, RecursionError, MemoryError) as exc:  # noqa: BLE001 - never a traceback
+        if os.environ.get("CKPTOOL_DEBUG"):
+            raise
+        # a checkpoint no check foresaw (what ckptool reads is untrusted): one line, exit 2
+        click.echo(f"ckptool: error: cannot read the input: {type(exc).__name__}: "
+                   f"{bounded(exc, 300)}. Check the checkpoint (ckptool verify); if it is sound, "
+                   f"report this with the output of CKPTOOL_DEBUG=1 ckptool ...", err=True)
         sys.exit(2)
     finally:
         progress.disable()  # a command's setting, not the process's (main runs in tests too)

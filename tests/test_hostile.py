@@ -271,6 +271,10 @@ CASES = [
     Case("megatron-dist-common-system", "megatron-dist", lambda c: _edit_torch_file(
         c.ckpt / "iter_0000010" / "common.pt",
         lambda o: o.update(rng_state=Call(os.system, f"touch {c.marker}"))), "posix.system", pickle=True),
+    Case("deepspeed-shape-mkdir", "deepspeed", lambda c: _edit_torch_file(  # a call where a shape is
+        next((c.ckpt / "global_step2").glob("mp_rank_00_model_states.pt")),
+        lambda o: o["param_shapes"][0].update({next(iter(o["param_shapes"][0])): Call(os.mkdir, str(c.marker))})),
+         "posix.mkdir", pickle=True, codes={"inspect": 2}),  # no shapes: no layout to show
     Case("deepspeed-scheduler-mkdir", "deepspeed", lambda c: _edit_torch_file(
         next((c.ckpt / "global_step2").glob("mp_rank_00_model_states.pt")),
         lambda o: o.update(lr_scheduler=Call(os.mkdir, str(c.marker)))), "posix.mkdir", pickle=True),
@@ -301,6 +305,8 @@ CASES = [
          "in its local header", codes={"inspect": 1}),
     Case("megatron-truncated", "megatron", lambda c: truncate(_meg_rank_file(c.ckpt, 1), 4096),
          "not a readable torch.save archive"),
+    Case("megatron-zip-version", "megatron", lambda c: _zip_version(_meg_rank_file(c.ckpt, 1), 0x80),
+         "zip file version 12.8"),
     # ---- reads that could block
     # a subprocess per command (~3 s each): the commands that open the file, not all
     Case("dcp-metadata-fifo", "dcp", lambda c: _fifo(c, ".metadata"), "FIFO", fifo=True,
@@ -308,6 +314,13 @@ CASES = [
     Case("hf-config-fifo", "hf", lambda c: _fifo(c, "config.json"), "FIFO", fifo=True,
          commands=[["inspect"], ["verify"], ["convert", "DST", "--to", "dcp"]]),
 ]
+
+
+def _zip_version(path: Path, version: int) -> None:
+    """The first central directory entry's "version needed to extract" (zipfile refuses one
+    above 6.3 with NotImplementedError)."""
+    data = path.read_bytes()
+    patch(path, data.index(b"PK\x01\x02") + 6, bytes([version]))
 
 
 def _grow_last(header: dict) -> None:
@@ -584,3 +597,25 @@ def test_an_error_line_is_one_bounded_line_whatever_the_checkpoint_names():
                  Problem("metadata", f"bad {huge}", file=huge, key=huge).one_line()):
         assert "\n" not in line and len(line) < 1400 and line.startswith("bad xxx")
     assert BadCheckpoint("short", path="p", key="k").one_line() == "short (p, tensor 'k')"
+    # control characters neither split the line nor reach a terminal as escape sequences
+    named = "global\x0b\x1b[31mRED\x85\u2028_step2\r\n"
+    line = BadCheckpoint(f"latest names {named}", path=named, hint=f"Point it at {named}").one_line()
+    assert len(line.splitlines()) == 1 and "\x1b" not in line and "\\x1b[31m" in line, repr(line)
+
+
+def test_an_unforeseen_error_is_one_line_not_a_traceback(tmp_path, run_cli):
+    """Whatever a malformed checkpoint makes ckptool's code raise (here a config whose head
+    count is negative), the user gets one line and exit 2, never a traceback."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 8,
+        "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+        "num_attention_heads": -(1 << 63), "num_key_value_heads": 1}))
+    from safetensors.torch import save_file
+    save_file({"model.embed_tokens.weight": torch.zeros(8, 8)}, str(src / "model.safetensors"))
+    r = run_cli("convert", src, tmp_path / "out", "--to", "dcp")
+    lines = r.err.strip().splitlines()
+    assert r.code == 2 and len(lines) == 1 and "Traceback" not in r.err, r.err
+    assert lines[0].startswith("ckptool: error: ") and "CKPTOOL_DEBUG=1" in lines[0], r.err
+    assert not (tmp_path / "out").exists()

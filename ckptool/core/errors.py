@@ -31,15 +31,22 @@ class CkptoolError(Exception):
         if where:
             text = f"{text} ({', '.join(where)})"
         if self.hint:
-            text = f"{text}. {self.hint}"
+            text = f"{text}. {bounded(self.hint, 900)}"
         return text
 
 
 def bounded(text: str, limit: int = 300) -> str:
     """``text`` as one line of at most ``limit`` characters: what a checkpoint names (a key, a
     path, a value quoted in a refusal) is untrusted, and may be a megabyte or hold newlines."""
-    text = str(text).replace("\r", "\\r").replace("\n", "\\n")
+    text = str(text).translate(_CONTROL)
     return text if len(text) <= limit else f"{text[:limit - 1]}…"
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))} | \
+    {c: f"\\u{c:04x}" for c in (0x2028, 0x2029)} | {ord("\n"): "\\n", ord("\r"): "\\r",
+                                                              ord("\t"): " "}
+"""Control characters shown escaped: a name a checkpoint holds must neither split the one
+line nor send escape sequences to a terminal."""
 
 
 class UsageError(CkptoolError):

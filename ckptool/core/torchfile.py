@@ -206,7 +206,8 @@ class TorchFile:
         try:
             zf = zipfile.ZipFile(_RangeFile(read, size))
             infos = zf.infolist()
-        except (zipfile.BadZipFile, OSError, ValueError, struct.error, EOFError) as exc:
+        except (zipfile.BadZipFile, OSError, ValueError, struct.error, EOFError,
+                NotImplementedError) as exc:  # a zip "version needed" it does not read
             raise BadCheckpoint(f"not a readable torch.save archive ({exc})", path=source) from None
         pkl = order = None
         ends = []

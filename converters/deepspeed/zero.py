@@ -66,7 +66,10 @@ def param_groups(model_states: dict) -> list[Group]:
     shapes = model_states.get("param_shapes") or []
     if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
         raise BadCheckpoint("model states: param_shapes is not a list of {name: shape}")
-    return [[(str(n), tuple(int(x) for x in s)) for n, s in g.items()] for g in shapes]
+    try:
+        return [[(str(n), tuple(int(x) for x in s)) for n, s in g.items()] for g in shapes]
+    except (TypeError, ValueError):  # a shape that is no sequence of ints (a refused global...)
+        raise BadCheckpoint("model states: a param_shapes entry is not a shape") from None
 
 
 def uncarried_state(state) -> str | None:
