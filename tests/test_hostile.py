@@ -603,6 +603,24 @@ def test_an_error_line_is_one_bounded_line_whatever_the_checkpoint_names():
     assert len(line.splitlines()) == 1 and "\x1b" not in line and "\\x1b[31m" in line, repr(line)
 
 
+def test_a_chunk_cut_short_in_the_middle_is_refused_and_leaves_nothing(sources, tmp_path, run_cli):
+    """Four bytes gone from the middle of a chunk archive: its zip offsets then point before
+    the archive (a negative file offset; it was an EINVAL named after DST.tmp-*/, exit 2,
+    with DST.tmp-* left behind). Refused as a damaged source, nothing written."""
+    ckpt = tmp_path / "ckpt"
+    assert run_cli("reshard", sources["dcp"], ckpt, "--to-dp", "2").code == 0
+    f = ckpt / "__1_0.distcp"
+    data = f.read_bytes()
+    cut = data.index(b"PK\x01\x02") * 2 // 3  # inside the first chunk's record, before its directory
+    f.write_bytes(data[:cut] + data[cut + 4:])
+    for cmd in (["reshard", ckpt, tmp_path / "dst", "--to-dp", "1"],
+                ["convert", ckpt, tmp_path / "dst", "--to", "dcp"]):
+        r = run_cli(*cmd)
+        lines = r.err.strip().splitlines()
+        assert r.code == 1 and len(lines) == 1 and f.name in lines[0] and "dst" not in lines[0], r.err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_an_unforeseen_error_is_one_line_not_a_traceback(tmp_path, run_cli):
     """Whatever a malformed checkpoint makes ckptool's code raise (here a config whose head
     count is negative), the user gets one line and exit 2, never a traceback."""

@@ -330,8 +330,12 @@ class _Window:
     _edges = False
 
     def __call__(self, start: int, end: int) -> bytes:
+        if start < 0:  # a damaged archive's zip offsets point before the item
+            raise BadCheckpoint(f"an item's archive points {-start} bytes before the item's start at "
+                                f"byte {self._base} (a damaged or cut file)",
+                                path=getattr(self._reader, "source", None))
         n = self._length
-        if self._edges and n is not None and 0 <= start <= end:
+        if self._edges and n is not None and start <= end:
             edge = self.EDGE
             if end <= edge:
                 if self._head is None:

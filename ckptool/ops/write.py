@@ -81,7 +81,7 @@ def _write(job: WriteJob, group: Group, result, progress) -> tuple[str, int]:
                 try:
                     size, digest = writer.write_file(store, target, produce, index, vocab)
                 except OSError as exc:
-                    if exc.filename is None:  # a write or fsync names no file
+                    if exc.filename is None and exc.errno in _STORAGE_REFUSED:  # a write names no file
                         exc.filename = f"{store.url.rstrip('/')}/{target.path}"
                     raise
                 finally:
