@@ -621,17 +621,57 @@ def test_a_chunk_cut_short_in_the_middle_is_refused_and_leaves_nothing(sources, 
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
-def test_an_unforeseen_error_is_one_line_not_a_traceback(tmp_path, run_cli):
-    """Whatever a malformed checkpoint makes ckptool's code raise (here a config whose head
-    count is negative), the user gets one line and exit 2, never a traceback."""
-    src = tmp_path / "hf"
-    src.mkdir()
-    (src / "config.json").write_text(json.dumps({
+def _tiny_hf(root: Path, **config) -> Path:
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 8,
         "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
-        "num_attention_heads": -(1 << 63), "num_key_value_heads": 1}))
+        "num_attention_heads": 2, "num_key_value_heads": 1, **config}))
     from safetensors.torch import save_file
-    save_file({"model.embed_tokens.weight": torch.zeros(8, 8)}, str(src / "model.safetensors"))
+    save_file({"model.embed_tokens.weight": torch.zeros(8, 8)}, str(root / "model.safetensors"))
+    return root
+
+
+@pytest.mark.parametrize("field,value", [("num_attention_heads", -(1 << 63)),
+                                         ("num_key_value_heads", 1 << 64),
+                                         ("num_hidden_layers", 1 << 40)])
+def test_model_sizes_beyond_any_model_are_refused_before_they_size_anything(field, value, tmp_path,
+                                                                           run_cli):
+    """A config's sizes size lists and plans (one entry per layer, head or group): 2**64 KV
+    heads built a list for 15 s and 3 GB before a MemoryError traceback; a negative head
+    count was a ValueError traceback."""
+    src = _tiny_hf(tmp_path / "hf", **{field: value})
+    for cmd in (["inspect", src], ["convert", src, tmp_path / "out", "--to", "dcp"]):
+        with _AddressSpace():
+            r = run_cli(*cmd)
+        lines = r.err.strip().splitlines()
+        assert r.code == 2 and len(lines) == 1 and "is not a size of a model" in lines[0], r.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_manifest_topology_beyond_any_job_is_refused(sources, tmp_path, run_cli):
+    """The topology a manifest records sizes the plan (a target file per rank): TP 2**31 was
+    2**32 planned ranks, ~3 GB and a MemoryError traceback."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(sources["sealed"], ckpt)
+    manifest = json.loads((ckpt / "ckptool.json").read_text())
+    manifest["topology"]["tp"] = 1 << 31
+    (ckpt / "ckptool.json").write_text(json.dumps(manifest))
+    with _AddressSpace():
+        r = run_cli("reshard", ckpt, tmp_path / "dst", "--to-dp", "2")
+    assert r.code == 2 and len(r.err.strip().splitlines()) == 1 and "beyond any job" in r.err, r.err
+    assert not (tmp_path / "dst").exists()
+
+
+def test_an_unforeseen_error_is_one_line_not_a_traceback(tmp_path, run_cli, monkeypatch):
+    """Whatever a malformed checkpoint makes ckptool's code raise that no check foresaw (here
+    planted), the user gets one line and exit 2, never a traceback."""
+    from converters.schemas.families import base
+
+    def broken(self, config):
+        raise AttributeError("'NoneType' object has no attribute 'shape'")
+    monkeypatch.setattr(base.Family, "spec", broken)
+    src = _tiny_hf(tmp_path / "hf")
     r = run_cli("convert", src, tmp_path / "out", "--to", "dcp")
     lines = r.err.strip().splitlines()
     assert r.code == 2 and len(lines) == 1 and "Traceback" not in r.err, r.err

@@ -52,6 +52,14 @@ FINAL_NORM = "decoder.final_layernorm"
 OUTPUT_LAYER = "output_layer.weight"
 
 
+_SIZES = {"num_layers": 1 << 16, "hidden_size": 1 << 24, "num_attention_heads": 1 << 16,
+          "vocab_size": 1 << 28, "vocab_rows": 1 << 28, "num_query_groups": 1 << 16,
+          "ffn_hidden_size": 1 << 28, "kv_channels": 1 << 16}
+"""Bounds of a :class:`ModelSpec`'s sizes: far above any model, far below what would exhaust
+memory when a list or plan is sized by them."""
+_OPTIONAL = {"vocab_rows", "num_query_groups", "ffn_hidden_size", "kv_channels"}
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """What the layout rules need to know of a GPT-style model."""
@@ -143,6 +151,19 @@ class ModelSpec:
     moe_shared_expert_gate: bool = False
     """The shared experts' output is scaled by sigmoid(x · gate_weight) (Qwen2-MoE;
     Megatron ``moe_shared_expert_gate``): ``mlp.shared_experts.gate_weight`` ``[1, h]``."""
+
+    def __post_init__(self):
+        # a config or args a checkpoint holds is untrusted: sizes beyond any model would size
+        # lists and plans (one entry per head or group) before anything else looks at them
+        for name, most in _SIZES.items():
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+                raise ValueError(f"{name}={value!r} is not a size of a model (1 to {most})")
+        if self.num_query_groups is not None and self.num_query_groups > self.num_attention_heads:
+            raise ValueError(f"num_query_groups={self.num_query_groups} exceeds the "
+                             f"{self.num_attention_heads} attention heads")
 
     @property
     def moe_ffn(self) -> int:

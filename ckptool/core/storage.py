@@ -435,9 +435,6 @@ class RangeReader:
     def __call__(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)``; fewer when the file ends first (never an allocation of
         what the caller asked beyond the file's size)."""
-        if start < 0:  # an offset an index computed from damaged fields
-            raise BadCheckpoint(f"a read at byte {start}, before the start of the file (a damaged "
-                                f"index)", path=self.source)
         end = min(end, self.size)
         if end <= start:
             return b""

@@ -7,6 +7,11 @@ from dataclasses import asdict, dataclass
 from ckptool.core.errors import TopologyError
 
 
+MAX_RANKS = 1 << 20
+"""A million ranks: beyond any job, and a bound on what a plan sized by a topology a
+checkpoint records (untrusted) may allocate."""
+
+
 @dataclass(frozen=True, slots=True)
 class Topology:
     """How a job is split. ``world = tp * pp * dp`` ("Total GPUs = TP x PP x DP").
@@ -48,6 +53,8 @@ class Topology:
             raise TopologyError(f"expert parallel ep={self.ep} x expert tensor parallel etp="
                                 f"{self.expert_tp} must divide tp x dp = {self.tp * self.dp} "
                                 "(Megatron-Core's expert-data-parallel rule)")
+        if self.world * self.vpp > MAX_RANKS or self.ep > MAX_RANKS or self.expert_tp > MAX_RANKS:
+            raise TopologyError(f"{self} is beyond any job (at most {MAX_RANKS} ranks)")
         if self.vpp > 1 and self.pp == 1:
             raise TopologyError("virtual pipeline (vpp > 1) needs pp > 1")
 

@@ -95,7 +95,8 @@ def spec_from_config(config: dict, family: str) -> ModelSpec:
     try:
         return _table(family).spec(config)
     except (KeyError, TypeError, ValueError) as exc:
-        raise UnreadableInput(f"config.json lacks a {family} field ({exc})") from None
+        what = f"lacks a {family} field" if isinstance(exc, KeyError) else f"is not a {family} model ckptool lays out"
+        raise UnreadableInput(f"config.json {what} ({exc})") from None
 
 
 def config_for(spec: ModelSpec, family: str, vocab: int, dtype: torch.dtype, base: dict | None) -> dict:
