@@ -164,7 +164,7 @@ def _window(config: dict, pattern: bool = False, qwen: str | None = None
     (``pattern``: a per-layer pattern is read by :func:`_pattern` instead). ``qwen``: the
     family's reading of :data:`QWEN_WINDOWS`."""
     window = config.get("sliding_window")
-    if config.get("use_sliding_window") is False or qwen and config.get("use_sliding_window") is not True:
+    if config.get("use_sliding_window") is False or qwen and not config.get("use_sliding_window"):
         window = None  # a Qwen config without use_sliding_window: transformers' default, False
     if window is not None and not isinstance(window, int):
         return None, Problem("sliding_window", window, "an integer or null")
@@ -180,10 +180,11 @@ def _window(config: dict, pattern: bool = False, qwen: str | None = None
     if window is None or qwen not in ("qwen2", "qwen2_moe"):
         return window, None
     layers, below = int(config.get("num_hidden_layers") or 0), int(config.get("max_window_layers") or 0)
-    windowed = [i for i in range(layers) if (i >= below if qwen == "qwen2" else i % 2 == 0 and i < below)]
-    if not windowed:
+    # how many layers have the window (counted, not listed: the sizes are untrusted)
+    windowed = max(0, layers - max(below, 0)) if qwen == "qwen2" else (min(below, layers) + 1) // 2
+    if windowed <= 0:
         return None, None
-    if len(windowed) == layers:
+    if windowed == layers:
         return window, None
     return None, Problem("max_window_layers", config.get("max_window_layers"),
                          "a window on every layer or on none with use_sliding_window (it sets "
