@@ -238,6 +238,11 @@ CASES = [
         c, lambda m: m["files"][0].update(size=-1)), "has size -1"),
     Case("manifest-entry-hash", "sealed", lambda c: _edit_manifest(
         c, lambda m: m["files"][0].update(xxh3_128="abc")), "has no xxh3-128 hash"),
+    # a data file dropped from the manifest, then damaged: no hash covered it (verify said OK)
+    Case("manifest-data-unlisted", "sealed", lambda c: (
+        _edit_manifest(c, lambda m: m.update(files=[f for f in m["files"] if not f["path"].endswith(".distcp")])),
+        patch(c.ckpt / "__0_0.distcp", (c.ckpt / "__0_0.distcp").stat().st_size // 2, b"\xff")),
+         "not in the manifest, so no checksum", commands=[["verify"], ["verify", "--deep"]]),
     # ---- pointers to what is not there
     Case("megatron-tracker-missing", "megatron",
          lambda c: (c.ckpt / "latest_checkpointed_iteration.txt").write_text("99"),
@@ -301,6 +306,9 @@ CASES = [
         {next(iter(m.storage_data)): "__0_0.distcp"})), "malformed storage entry"),
     Case("dcp-duplicate-storage", "dcp", lambda c: _edit_metadata(c.ckpt, _duplicate_entry),
          "two storage entries"),
+    # the pickle's first frame claims 2**64 - 1 bytes (an OverflowError the parse did not catch)
+    Case("dcp-metadata-frame", "dcp", lambda c: patch(c.ckpt / ".metadata", 3, b"\xff" * 8),
+         "DCP metadata cannot be parsed"),
     Case("megatron-zip-renamed-record", "megatron", lambda c: _rename_local_record(_meg_rank_file(c.ckpt)),
          "in its local header", codes={"inspect": 1}),
     Case("megatron-truncated", "megatron", lambda c: truncate(_meg_rank_file(c.ckpt, 1), 4096),

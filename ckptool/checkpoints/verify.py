@@ -112,7 +112,8 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
         plan = _plan_deep(store, reader, index)
     if manifest is not None:
         _check_manifest(check, manifest, actual, strict, workers, progress,
-                        {rel: plan.planner(rel) for rel in plan.files} if plan else None)
+                        {rel: plan.planner(rel) for rel in plan.files} if plan else None,
+                        read=set(index.files) if index is not None else set())
     if plan is not None:
         unread = [rel for rel in plan.files if rel not in check.scanned and rel not in check.bad_files]
         for rel in unread:
@@ -164,7 +165,8 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
 
 def _check_manifest(check: _Check, manifest: Manifest, actual: dict[str, int], strict: bool,
                     workers: int, progress: Progress | None,
-                    scans: dict[str, Callable[[], FileScan]] | None = None) -> None:
+                    scans: dict[str, Callable[[], FileScan]] | None = None,
+                    read: set[str] = frozenset()) -> None:
     to_hash = []
     for entry in manifest.files:
         size = actual.get(entry.path)
@@ -187,6 +189,10 @@ def _check_manifest(check: _Check, manifest: Manifest, actual: dict[str, int], s
     listed = manifest.file_map()
     for rel in sorted(actual):
         if rel == MANIFEST or rel in listed:
+            continue
+        if rel in read:  # a data file the checkpoint's metadata reads, whose bytes no hash covers
+            check.add("unlisted", "data file is not in the manifest, so no checksum covers its bytes "
+                                  "(the manifest was edited, or the file added after the commit)", rel)
             continue
         problem = Problem("extra", "unexpected file, not in the manifest", check.store.display(rel))
         (check.problems if strict else check.warnings).append(problem)

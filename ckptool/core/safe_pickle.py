@@ -572,7 +572,7 @@ def load_dcp_metadata(data: bytes, source: str) -> Any:
         try:
             meta = unpickler.load()
         except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError,
-                IndexError, TypeError, KeyError, RecursionError, MemoryError) as exc:
+                IndexError, TypeError, KeyError, RecursionError, MemoryError, OverflowError) as exc:
             raise BadCheckpoint(f"DCP metadata cannot be parsed ({type(exc).__name__}: "
                                 f"{str(exc)[:120]})", path=source) from None
     if unpickler.refused:
