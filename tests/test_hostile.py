@@ -238,6 +238,8 @@ CASES = [
         c, lambda m: m["files"][0].update(size=-1)), "has size -1"),
     Case("manifest-entry-hash", "sealed", lambda c: _edit_manifest(
         c, lambda m: m["files"][0].update(xxh3_128="abc")), "has no xxh3-128 hash"),
+    Case("manifest-true-vocab-bool", "sealed", lambda c: _edit_manifest(  # isinstance(True, int)
+        c, lambda m: m.update(true_vocab_size=True)), "field true_vocab_size is True"),
     # a data file dropped from the manifest, then damaged: no hash covered it (verify said OK)
     Case("manifest-data-unlisted", "sealed", lambda c: (
         _edit_manifest(c, lambda m: m.update(files=[f for f in m["files"] if not f["path"].endswith(".distcp")])),

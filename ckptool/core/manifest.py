@@ -94,6 +94,10 @@ class Manifest:
             if isinstance(known.get("topology"), dict) and not all(
                     type(v) is int and v >= 0 for v in known["topology"].values()):
                 raise ValueError("topology sizes are not numbers")
+            for name in ("true_vocab_size", "iteration"):  # a bool is an int to isinstance
+                value = known.get(name)
+                if value is not None and (type(value) is not int or value < (name == "true_vocab_size")):
+                    raise ValueError(f"field {name} is {str(value)[:20]}")
             return cls(files=files, **known)
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise BadCheckpoint(f"manifest is not valid: {exc}", path=source,
