@@ -176,6 +176,21 @@ def test_coverage_reports_gaps_and_overlaps():
     assert flat.ok
 
 
+def test_coverage_compares_a_bounded_number_of_pairs(monkeypatch):
+    """Metadata is untrusted: pieces that share rows are compared pairwise up to a budget
+    (200,000 copies of one chunk did not finish verify in a minute), then refused."""
+    from ckptool.core import regions
+
+    monkeypatch.setattr(regions, "_PAIRS", 1000)
+    shape = (4, 5000)
+    copies = coverage_problems(shape, [Region("w", shape, (0, 0), (4, 1))] * 5000)
+    assert copies.problems == ["at least 4000 elements are stored more than once"]
+    columns = coverage_problems(shape, [Region("w", shape, (0, i), (4, 1)) for i in range(5000)])
+    assert not columns.ok and "share rows more than ckptool compares" in columns.problems[0]
+    few = coverage_problems(shape, [Region("w", shape, (0, i * 200), (4, 200)) for i in range(25)])
+    assert few.ok  # 300 pairs: checked exactly
+
+
 def test_region_rejects_out_of_bounds_box():
     with pytest.raises(ValueError, match="outside"):
         Region("w", (4,), (2,), (3,))
