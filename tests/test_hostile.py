@@ -282,6 +282,9 @@ CASES = [
         next((c.ckpt / "global_step2").glob("mp_rank_00_model_states.pt")),
         lambda o: o["param_shapes"][0].update({next(iter(o["param_shapes"][0])): Call(os.mkdir, str(c.marker))})),
          "posix.mkdir", pickle=True, codes={"inspect": 2}),  # no shapes: no layout to show
+    Case("deepspeed-dp-huge", "deepspeed", lambda c: _edit_torch_file(  # list(range(2**40)) before
+        next((c.ckpt / "global_step2").glob("mp_rank_00_model_states.pt")),
+        lambda o: o.update(dp_world_size=1 << 40)), "dp_world_size is 1099511627776"),
     Case("deepspeed-scheduler-mkdir", "deepspeed", lambda c: _edit_torch_file(
         next((c.ckpt / "global_step2").glob("mp_rank_00_model_states.pt")),
         lambda o: o.update(lr_scheduler=Call(os.mkdir, str(c.marker)))), "posix.mkdir", pickle=True),

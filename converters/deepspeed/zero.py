@@ -358,7 +358,7 @@ class ZeroReader(TorchFileReader):
 
 
 def rank_files(found: dict[int, str], dp: int, what: str, where: str) -> list[str]:
-    if sorted(found) != list(range(dp)):
+    if len(found) != dp or sorted(found) != list(range(dp)):  # never a list the size of a claim
         raise BadCheckpoint(f"{what} files are for DP ranks {sorted(found)}, dp_world_size is {dp}",
                             path=where)
     return [found[r] for r in range(dp)]
