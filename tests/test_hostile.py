@@ -318,6 +318,10 @@ CASES = [
          "in its local header", codes={"inspect": 1}),
     Case("megatron-truncated", "megatron", lambda c: truncate(_meg_rank_file(c.ckpt, 1), 4096),
          "not a readable torch.save archive"),
+    Case("megatron-shard-dtype", "megatron", lambda c: _edit_torch_file(  # was cast silently
+        _meg_rank_file(c.ckpt, 1), lambda o: o["model"].update(
+            {k: v.to(torch.int64) for k, v in o["model"].items() if k.endswith("linear_qkv.weight")})),
+         "disagree on the dtype"),
     Case("megatron-zip-version", "megatron", lambda c: _zip_version(_meg_rank_file(c.ckpt, 1), 0x80),
          "zip file version 12.8"),
     # ---- reads that could block

@@ -44,6 +44,9 @@ def add_piece(index, params, canonical, replica, f, path, value, padded, topo, s
     info = index.tensors.get(key)
     if info is None:
         info = index.tensors[key] = TensorInfo(key, param.shape, value.dtype)
+    elif str(info.dtype) != str(value.dtype):  # one tensor's shards: never silently cast
+        raise BadCheckpoint(f"the shards of {key} disagree on the dtype: {info.dtype} and {value.dtype}",
+                            path=store.display(file), key=str(path[-1]))
     copies = info.replicas if replica or (param.rule == "replicated" and f.tp > 0) else info.pieces
     for offset, region in shard.parts:
         if key != canonical:
