@@ -77,7 +77,13 @@ def layer_key(key: str, layer: int) -> str:
 
 
 def split_layers(index: CheckpointIndex, key: str, info: TensorInfo, pieces: list[Piece]) -> None:
-    """A stacked ``[L, ...]`` tensor becomes L per-layer tensors; each chunk, per-layer pieces."""
+    """A stacked ``[L, ...]`` tensor becomes L per-layer tensors; each chunk, per-layer pieces.
+    L is what ``.metadata`` claims (untrusted): at most the args' layer count."""
+    layers = (index.model_config or {}).get("num_layers")
+    most = layers if isinstance(layers, int) and layers > 0 else 1 << 16
+    if not info.shape or not 0 < info.shape[0] <= most:
+        raise BadCheckpoint(f"the stacked tensor claims {info.shape[0] if info.shape else 0} layers, "
+                            f"more than the {most} the model has", key=key)
     shape = info.shape[1:]
     for l in range(info.shape[0]):
         name = layer_key(key, l)
