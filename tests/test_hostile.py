@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import pickletools
 import resource
 import shutil
 import struct
@@ -313,6 +314,8 @@ CASES = [
         {next(iter(m.storage_data)): "__0_0.distcp"})), "malformed storage entry"),
     Case("dcp-duplicate-storage", "dcp", lambda c: _edit_metadata(c.ckpt, _duplicate_entry),
          "two storage entries"),
+    Case("dcp-metadata-memo-bomb", "dcp", lambda c: (c.ckpt / ".metadata").write_bytes(
+        _memo_bomb((c.ckpt / ".metadata").read_bytes())), "memo index 67108864"),
     # the pickle's first frame claims 2**64 - 1 bytes (an OverflowError the parse did not catch)
     Case("dcp-metadata-frame", "dcp", lambda c: patch(c.ckpt / ".metadata", 3, b"\xff" * 8),
          "DCP metadata cannot be parsed"),
@@ -324,6 +327,9 @@ CASES = [
         _meg_rank_file(c.ckpt, 1), lambda o: o["model"].update(
             {k: v.to(torch.int64) for k, v in o["model"].items() if k.endswith("linear_qkv.weight")})),
          "disagree on the dtype"),
+    # a memo index ahead of the entries made: CPython's unpickler zero-fills 16 x 2**26 bytes
+    Case("megatron-memo-bomb", "megatron", lambda c: _rezip_pickle(_meg_rank_file(c.ckpt, 1), _memo_bomb),
+         "memo index 67108864"),
     Case("megatron-zip-version", "megatron", lambda c: _zip_version(_meg_rank_file(c.ckpt, 1), 0x80),
          "zip file version 12.8"),
     # ---- reads that could block
@@ -333,6 +339,24 @@ CASES = [
     Case("hf-config-fifo", "hf", lambda c: _fifo(c, "config.json"), "FIFO", fifo=True,
          commands=[["inspect"], ["verify"], ["convert", "DST", "--to", "dcp"]]),
 ]
+
+
+def _memo_bomb(data: bytes) -> bytes:
+    """The pickle with its first memo entry made at index 2**26 (``LONG_BINPUT``)."""
+    ops = list(pickletools.genops(data))
+    i = next(i for i, (op, _, _) in enumerate(ops) if op.name in ("BINPUT", "MEMOIZE"))
+    return data[:ops[i][2]] + b"r" + struct.pack("<I", 1 << 26) + data[ops[i + 1][2]:]
+
+
+def _rezip_pickle(path: Path, edit: Callable[[bytes], bytes]) -> None:
+    """A torch.save archive written again with ``edit(data.pkl)``, its other records as they are."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as old:
+        records = [(info.filename, old.read(info)) for info in old.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as new:
+        for name, data in records:
+            new.writestr(name, edit(data) if name.endswith("/data.pkl") else data)
 
 
 def _zip_version(path: Path, version: int) -> None:

@@ -560,6 +560,34 @@ class _Counted(io.BytesIO):
         return n
 
 
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+CHECKED_PICKLE = 256 << 10
+"""Pickles up to this size (every ``torch.save`` data.pkl ckptool meets, small DCP metadata)
+are walked opcode by opcode before CPython's unpickler runs them (:func:`check_opcodes`).
+Larger ones (a 100B+ model's ``.metadata``) are not yet: the walk costs 3x the parse."""
+
+
+def check_opcodes(data: bytes, source: str) -> None:
+    """Refuse what would make CPython's C unpickler allocate what the pickle claims rather
+    than what it holds: a memo index ahead of the entries made so far (``LONG_BINPUT 2**28``
+    resizes and zero-fills a 4 GB memo for a 5-byte opcode) and lengths past the end of the
+    data. Picklers number the memo in order, so a real pickle never jumps ahead."""
+    import pickletools
+
+    made = 0
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name == "MEMOIZE":
+                made += 1
+            elif op.name in _MEMO_PUTS:
+                if not isinstance(arg, int) or arg > made:
+                    raise BadCheckpoint(f"damaged pickle: memo index {str(arg)[:20]} after {made} "
+                                        "entries", path=source)
+                made += arg == made
+    except (ValueError, EOFError, OverflowError, UnicodeDecodeError) as exc:  # a length past the end
+        raise BadCheckpoint(f"damaged pickle ({str(exc)[:120]})", path=source) from None
+
+
 def load_dcp_metadata(data: bytes, source: str) -> Any:
     """Unpickle a DCP ``.metadata`` into inert records; a global outside the allowlist is
     :class:`UnsafePickle` (nothing else of the checkpoint can be read without it).
@@ -567,6 +595,8 @@ def load_dcp_metadata(data: bytes, source: str) -> Any:
     Records keep DCP's attribute names (``state_dict_metadata``, ``storage_data``,
     ``chunks``, ``offsets``...), so readers use them as DCP documents them.
     """
+    if len(data) <= CHECKED_PICKLE:
+        check_opcodes(data, source)
     with progress.step(f"reading {posixpath.basename(source)}", len(data), "B") as step:
         unpickler = _MetadataUnpickler(_Counted(data, step))
         try:

@@ -34,8 +34,10 @@ import xxhash
 from ckptool.core.errors import BadCheckpoint, UnsupportedFormat
 from ckptool.core.lazy import lazy
 from ckptool.core.safe_pickle import (
+    CHECKED_PICKLE,
     Record,
     Unpickler,
+    check_opcodes,
     as_torch,
     dtype_named,
     is_dtype,
@@ -245,6 +247,8 @@ class TorchFile:
                     path=source, hint="load it with torch.load and save it again with torch.save on "
                                       "a little-endian machine")
             raise BadCheckpoint(f"torch.save archive with byteorder {order[:16]!r}", path=source)
+        if len(pkl) <= CHECKED_PICKLE:
+            check_opcodes(pkl, source)
         unpickler = _Unpickler(io.BytesIO(pkl))
         try:
             self.obj = unpickler.load()
