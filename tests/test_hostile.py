@@ -276,6 +276,9 @@ CASES = [
     Case("megatron-args-system-rank1", "megatron", lambda c: _edit_torch_file(
         _meg_rank_file(c.ckpt, 1), lambda o: o.update(args=Call(os.system, f"touch {c.marker}"))),
          "posix.system", pickle=True),
+    Case("megatron-dist-says-zarr", "megatron-dist", lambda c: _edit_json(  # verify said OK, 0 tensors
+        c.ckpt / "iter_0000010" / "metadata.json", lambda d: d.update(sharded_backend="zarr")),
+         "no zarr array"),
     Case("megatron-dist-stacked-huge", "megatron-dist", lambda c: _edit_metadata(  # 91 s, 5.8 GB before
         c.ckpt / "iter_0000010", _huge_stack), "stacked tensor claims 1099511627776 layers"),
     Case("megatron-dist-common-system", "megatron-dist", lambda c: _edit_torch_file(
@@ -339,6 +342,12 @@ CASES = [
     Case("hf-config-fifo", "hf", lambda c: _fifo(c, "config.json"), "FIFO", fifo=True,
          commands=[["inspect"], ["verify"], ["convert", "DST", "--to", "dcp"]]),
 ]
+
+
+def _edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
 
 
 def _memo_bomb(data: bytes) -> bytes:

@@ -120,6 +120,9 @@ class MegatronZarrReader(Reader):
                 name = f"{key}/{file.removesuffix('.pt')}"
                 index.objects[name] = ObjectInfo(name, Location(f"{prefix}{key}/{file}"))
                 index.files[f"{prefix}{key}/{file}"] = 1
+        if not index.tensors:  # a torch_dist checkpoint whose metadata.json says zarr, say
+            raise BadCheckpoint("metadata.json says zarr, but no zarr array (.zarray) is there",
+                                path=store.url, hint="Check metadata.json's sharded_backend")
         read_common(self, store, prefix + COMMON, index)  # as torch_dist's, the optimizer's too
         _refuse_optimizer(index)
         return index
