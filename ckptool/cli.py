@@ -535,36 +535,44 @@ def _total_bytes(url: str) -> int | None:
         return None
 
 
+def _fail(line: str | None, code: int, argv: list[str], message: str | None = None) -> None:
+    """End a failed command: its one line on stderr (``ckptool: LINE``; None: already shown)
+    and the exit code; with ``--json``, also one JSON document on stdout, so a script that
+    parses stdout gets ``{"ok": false, "error": ..., "exit_code": ...}`` rather than nothing."""
+    if line is not None:
+        click.echo(f"ckptool: {line}", err=True)
+    if "--json" in argv:
+        text = message if message is not None else line.removeprefix("error: ")
+        click.echo(json.dumps({"ok": False, "error": text, "exit_code": code}))
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = _literal_targets(list(sys.argv[1:] if argv is None else argv))
     gcpause.freeze_builds(True)  # a command's index lives until it ends: never walked again
     try:
         cli.main(args=argv, prog_name="ckptool", standalone_mode=False)
     except click.exceptions.Abort:
-        click.echo("ckptool: aborted", err=True)
-        sys.exit(130)
+        _fail("aborted", 130, argv)
     except click.ClickException as exc:
         exc.show()
-        sys.exit(2 if isinstance(exc, click.UsageError) else exc.exit_code)
+        _fail(None, 2 if isinstance(exc, click.UsageError) else exc.exit_code, argv, exc.format_message())
     except CkptoolError as exc:
         if os.environ.get("CKPTOOL_DEBUG"):
             raise
-        click.echo(f"ckptool: error: {exc.one_line()}", err=True)
-        sys.exit(exc.exit_code)
+        _fail(f"error: {exc.one_line()}", exc.exit_code, argv)
     except OSError as exc:
         if os.environ.get("CKPTOOL_DEBUG"):
             raise
         where = f" ({bounded(exc.filename)})" if getattr(exc, "filename", None) else ""
-        click.echo(f"ckptool: error: {bounded(exc.strerror or exc, 600)}{where}", err=True)
-        sys.exit(2)
-    except (Exception, RecursionError, MemoryError) as exc:  # noqa: BLE001 - never a traceback
+        _fail(f"error: {bounded(exc.strerror or exc, 600)}{where}", 2, argv)
+    except Exception as exc:  # noqa: BLE001 - never a traceback (MemoryError, RecursionError too)
         if os.environ.get("CKPTOOL_DEBUG"):
             raise
         # a checkpoint no check foresaw (what ckptool reads is untrusted): one line, exit 2
-        click.echo(f"ckptool: error: cannot read the input: {type(exc).__name__}: "
-                   f"{bounded(exc, 300)}. Check the checkpoint (ckptool verify); if it is sound, "
-                   f"report this with the output of CKPTOOL_DEBUG=1 ckptool ...", err=True)
-        sys.exit(2)
+        _fail(f"error: cannot read the input: {type(exc).__name__}: {bounded(exc, 300)}. Check the "
+              f"checkpoint (ckptool verify); if it is sound, report this with the output of "
+              f"CKPTOOL_DEBUG=1 ckptool ...", 2, argv)
     finally:
         progress.disable()  # a command's setting, not the process's (main runs in tests too)
         gcpause.freeze_builds(False)

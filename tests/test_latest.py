@@ -60,3 +60,19 @@ def test_order_is_by_iteration_not_name(tmp_path, make_ckpt, run_cli):
     make_ckpt(tmp_path / "step_9", iteration=9)
     newest = make_ckpt(tmp_path / "step_10", iteration=10)
     assert run_cli("latest", tmp_path).out.strip() == str(newest)
+
+
+def test_a_failure_with_json_is_one_json_document_on_stdout(tmp_path, run_cli):
+    """A script that parses stdout of ``--json`` gets a document on failure too (it got nothing):
+    ``ok`` false, the error line, and the exit code; the line stays on stderr."""
+    import json as _json
+
+    for argv, code in ((["latest", "--json", tmp_path / "none"], 1),
+                       (["reshard", "--json", tmp_path, tmp_path / "out", "--to-dpp", "2"], 2)):
+        r = run_cli(*argv)
+        doc = _json.loads(r.out)
+        assert r.code == code and doc["ok"] is False and doc["exit_code"] == code, r.out
+        assert doc["error"] and doc["error"].split(" (")[0] in r.err, (doc, r.err)
+    r = run_cli("latest", tmp_path / "none")
+    assert r.code == 1 and r.out == ""  # without --json, stdout stays empty
+
