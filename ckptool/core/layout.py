@@ -52,7 +52,7 @@ FINAL_NORM = "decoder.final_layernorm"
 OUTPUT_LAYER = "output_layer.weight"
 
 
-_SIZES = {"num_layers": 1 << 16, "hidden_size": 1 << 24, "num_attention_heads": 1 << 16,
+SIZE_BOUNDS = {"num_layers": 1 << 16, "hidden_size": 1 << 24, "num_attention_heads": 1 << 16,
           "vocab_size": 1 << 28, "vocab_rows": 1 << 28, "num_query_groups": 1 << 16,
           "ffn_hidden_size": 1 << 28, "kv_channels": 1 << 16}
 """Bounds of a :class:`ModelSpec`'s sizes: far above any model, far below what would exhaust
@@ -155,7 +155,7 @@ class ModelSpec:
     def __post_init__(self):
         # a config or args a checkpoint holds is untrusted: sizes beyond any model would size
         # lists and plans (one entry per head or group) before anything else looks at them
-        for name, most in _SIZES.items():
+        for name, most in SIZE_BOUNDS.items():
             value = getattr(self, name)
             if value is None and name in _OPTIONAL:
                 continue

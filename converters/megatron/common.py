@@ -9,6 +9,7 @@ import json
 from dataclasses import asdict
 
 from ckptool.core.errors import BadCheckpoint, UnreadableInput
+from ckptool.core.layout import SIZE_BOUNDS
 from ckptool.core.index import (
     CheckpointIndex,
     Location,
@@ -80,10 +81,11 @@ def split_layers(index: CheckpointIndex, key: str, info: TensorInfo, pieces: lis
     """A stacked ``[L, ...]`` tensor becomes L per-layer tensors; each chunk, per-layer pieces.
     L is what ``.metadata`` claims (untrusted): at most the args' layer count."""
     layers = (index.model_config or {}).get("num_layers")
-    most = layers if isinstance(layers, int) and layers > 0 else 1 << 16
+    known = isinstance(layers, int) and layers > 0
+    most = layers if known else SIZE_BOUNDS["num_layers"]
     if not info.shape or not 0 < info.shape[0] <= most:
         raise BadCheckpoint(f"the stacked tensor claims {info.shape[0] if info.shape else 0} layers, "
-                            f"more than the {most} the model has", key=key)
+                            f"more than {most} ({'the model' if known else 'any model'} has)", key=key)
     shape = info.shape[1:]
     for l in range(info.shape[0]):
         name = layer_key(key, l)

@@ -64,28 +64,31 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
     if vpp is None and _get(args, "num_layers_per_virtual_pipeline_stage"):
         vpp = layers // pp // int(args.num_layers_per_virtual_pipeline_stage)
     pos = str(_get(args, "position_embedding_type", "learned_absolute"))
-    spec = ModelSpec(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-        vocab_size=int(true_vocab or padded), vocab_rows=padded,
-        num_query_groups=int(args.num_query_groups) if _get(args, "group_query_attention", False)
-        and _get(args, "num_query_groups") else None,
-        ffn_hidden_size=_get(args, "ffn_hidden_size"), kv_channels=_get(args, "kv_channels"),
-        make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", 128)),
-        swiglu=bool(_get(args, "swiglu", False)),
-        tied_embeddings=not bool(_get(args, "untie_embeddings_and_output_weights", False)),
-        add_bias=bool(_get(args, "add_bias_linear", True)),
-        normalization=str(_get(args, "normalization", "LayerNorm")),
-        learned_positions=pos == "learned_absolute",
-        max_position_embeddings=int(_get(args, "max_position_embeddings", 0)),
-        first_stage_layers=_get(args, "decoder_first_pipeline_num_layers"),
-        last_stage_layers=_get(args, "decoder_last_pipeline_num_layers"),
-        norm_epsilon=float(_get(args, "norm_epsilon", _get(args, "layernorm_epsilon", 1e-5))),
-        rotary_base=float(_get(args, "rotary_base", 10000)),
-        # with --swiglu Megatron-LM gates with SiLU, whatever --openai-gelu says
-        activation="gelu_tanh" if _get(args, "openai_gelu", False) and not _get(args, "swiglu", False)
-        else "gelu",
-        **_features(args),
-    )
+    try:
+        spec = ModelSpec(
+            num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+            vocab_size=int(true_vocab or padded), vocab_rows=padded,
+            num_query_groups=int(args.num_query_groups) if _get(args, "group_query_attention", False)
+            and _get(args, "num_query_groups") else None,
+            ffn_hidden_size=_get(args, "ffn_hidden_size"), kv_channels=_get(args, "kv_channels"),
+            make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", 128)),
+            swiglu=bool(_get(args, "swiglu", False)),
+            tied_embeddings=not bool(_get(args, "untie_embeddings_and_output_weights", False)),
+            add_bias=bool(_get(args, "add_bias_linear", True)),
+            normalization=str(_get(args, "normalization", "LayerNorm")),
+            learned_positions=pos == "learned_absolute",
+            max_position_embeddings=int(_get(args, "max_position_embeddings", 0)),
+            first_stage_layers=_get(args, "decoder_first_pipeline_num_layers"),
+            last_stage_layers=_get(args, "decoder_last_pipeline_num_layers"),
+            norm_epsilon=float(_get(args, "norm_epsilon", _get(args, "layernorm_epsilon", 1e-5))),
+            rotary_base=float(_get(args, "rotary_base", 10000)),
+            # with --swiglu Megatron-LM gates with SiLU, whatever --openai-gelu says
+            activation="gelu_tanh" if _get(args, "openai_gelu", False) and not _get(args, "swiglu", False)
+            else "gelu",
+            **_features(args),
+        )
+    except ValueError as exc:  # ModelSpec's bounds: the args are untrusted
+        raise UnreadableInput(f"Megatron args describe no model ckptool lays out ({exc})") from None
     if true_vocab and spec.padded_vocab(tp) != padded:
         raise UnreadableInput(f"args say padded_vocab_size={padded}, but vocab {true_vocab} at TP{tp} "
                               f"pads to {spec.padded_vocab(tp)}",
