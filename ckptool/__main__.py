@@ -1,3 +1,3 @@
-from ckptool.cli import main
+from ckptool.cli import run
 
-main()
+run()

@@ -76,3 +76,39 @@ def test_a_failure_with_json_is_one_json_document_on_stdout(tmp_path, run_cli):
     r = run_cli("latest", tmp_path / "none")
     assert r.code == 1 and r.out == ""  # without --json, stdout stays empty
 
+
+
+def test_the_console_entry_keeps_output_and_exit_codes(tmp_path, make_ckpt):
+    """``python -m ckptool`` (the console entry) ends a command that wrote nothing without the
+    interpreter's teardown: what it printed into a pipe (block-buffered) still arrives whole,
+    with the command's exit code, and a command that writes ends the ordinary way."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", "ckptool", *map(str, argv)], capture_output=True,
+                              text=True, env=env, cwd=repo, timeout=120)
+
+    good = make_ckpt(tmp_path / "run" / "step_000100", iteration=100)
+    bad = make_ckpt(tmp_path / "bad" / "step_000100", iteration=100)
+    _flip_byte(bad)
+    r = run("verify", "--json", "--deep", good)
+    assert r.returncode == 0 and json.loads(r.stdout)["ok"] is True, (r.stdout, r.stderr)
+    r = run("verify", "--json", bad)
+    doc = json.loads(r.stdout)
+    assert r.returncode == 1 and doc["ok"] is False and doc["problems"], (r.stdout, r.stderr)
+    r = run("latest", tmp_path / "run")
+    assert r.returncode == 0 and r.stdout.strip() == str(good), (r.stdout, r.stderr)
+    r = run("latest", "--json", tmp_path / "none")
+    assert r.returncode == 1 and json.loads(r.stdout)["exit_code"] == 1, (r.stdout, r.stderr)
+    r = run("inspect", "--json", good)
+    assert r.returncode == 0 and json.loads(r.stdout)["iteration"] == 100, (r.stdout, r.stderr)
+    r = run("reshard", "-q", good, tmp_path / "out" / "step_000100", "--to-dp", "1")
+    assert r.returncode == 0 and (tmp_path / "out" / "step_000100" / "ckptool.json").exists(), r.stderr
+    r = run("verify", "--bogus", good)
+    assert r.returncode == 2 and "bogus" in r.stderr, r.stderr
