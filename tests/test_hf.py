@@ -106,6 +106,30 @@ def test_megatron_to_hf_loads_in_transformers_with_the_same_logits(family, tmp_p
     assert_close(hf_logits(model, m["vocab_size"]), want)
 
 
+def test_megatron_fused_bias_gelu_is_the_tanh_gelu_both_ways(tmp_path, run_cli):
+    """Megatron-LM's default --bias-gelu-fusion runs the MLP's GELU as the tanh approximation
+    (its fused kernel): a GPT-2 trained so converts to HF ``gelu_new`` with the model's logits
+    (it was converted as the exact GELU), and back to Megatron with the args saying so."""
+    m = dict(H.GPT, gelu_fusion=True)
+    src = tmp_path / "mg"
+    want = H.save_real(m, 1, src)
+    dst = tmp_path / "hf"
+    r = run_cli("convert", src, dst, "--to", "hf", "--true-vocab-size", m["vocab_size"])
+    assert r.code == 0, r.err
+    model = load_hf(dst, dtype=torch.float32)
+    assert model.config.activation_function == "gelu_new"
+    assert_close(hf_logits(model, m["vocab_size"]), want)
+    back = tmp_path / "mg2"
+    r = run_cli("convert", dst, back, "--to", "megatron", "--tp", "2")
+    assert r.code == 0 and "default --bias-gelu-fusion" in r.out, (r.out, r.err)
+    assert_close(H.load_logits(m, 2, 1, back), want)
+    r = run_cli("inspect", "--json", back)
+    assert r.code == 0 and r.out  # and its args read back as the same model:
+    r = run_cli("convert", back, tmp_path / "hf2", "--to", "hf")
+    assert r.code == 0, r.err
+    assert load_hf(tmp_path / "hf2", dtype=torch.float32).config.activation_function == "gelu_new"
+
+
 def test_unknown_true_vocab_keeps_every_stored_row(tmp_path, run_cli):
     src = tmp_path / "mg"
     want = H.save_real(H.GPT, 1, src)  # vocab 1003 padded to 1024; its args do not say 1003

@@ -82,9 +82,7 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
             last_stage_layers=_get(args, "decoder_last_pipeline_num_layers"),
             norm_epsilon=float(_get(args, "norm_epsilon", _get(args, "layernorm_epsilon", 1e-5))),
             rotary_base=float(_get(args, "rotary_base", 10000)),
-            # with --swiglu Megatron-LM gates with SiLU, whatever --openai-gelu says
-            activation="gelu_tanh" if _get(args, "openai_gelu", False) and not _get(args, "swiglu", False)
-            else "gelu",
+            activation=_activation(args),
             **_features(args),
         )
     except ValueError as exc:  # ModelSpec's bounds: the args are untrusted
@@ -100,6 +98,22 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
     topo = Topology(tp=tp, pp=pp, dp=dp, vpp=int(vpp or 1), ep=ep,
                     etp=None if etp is None or int(etp) == tp else int(etp))
     return spec, topo, bool(true_vocab)
+
+
+def _activation(args: argparse.Namespace) -> str:
+    """The GELU the MLP of a model trained with ``args`` computed: ``gelu_tanh`` or ``gelu``.
+
+    Megatron-LM's fused bias-GELU (``--bias-gelu-fusion``, its default, which validate_args turns
+    off in an MLP without biases) is the tanh approximation, in the legacy model and in
+    Megatron-Core alike; so is ``--openai-gelu``. The legacy model's ``--onnx-safe`` GELU, taken
+    before the fusion, is the exact one. With ``--swiglu`` the MLP gates with SiLU. Args without
+    ``bias_gelu_fusion`` (not written by Megatron-LM: ckptool's own before it wrote the flag)
+    mean no fusion."""
+    if _get(args, "swiglu", False):
+        return "gelu"
+    fused = _get(args, "bias_gelu_fusion", False) and _get(args, "add_bias_linear", True) \
+        and not _get(args, "onnx_safe", False)
+    return "gelu_tanh" if _get(args, "openai_gelu", False) or fused else "gelu"
 
 
 MCORE_ROPE_SCALING = {"rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0,
@@ -397,6 +411,8 @@ def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology
         position_embedding_type="learned_absolute" if spec.learned_positions else "rope",
         max_position_embeddings=spec.max_position_embeddings, norm_epsilon=spec.norm_epsilon,
         rotary_base=spec.rotary_base, openai_gelu=spec.activation == "gelu_tanh",
+        # what the model computes, as Megatron-LM records it: its fused bias-GELU is the tanh form
+        bias_gelu_fusion=spec.activation == "gelu_tanh" and spec.add_bias and not spec.swiglu,
         add_qkv_bias=spec.qkv_bias or spec.add_bias, qk_layernorm=spec.qk_layernorm,
         window_size=None if spec.window_size is None else (spec.window_size - 1, 0),
         use_rope_scaling=spec.rope_scaling == "llama3",

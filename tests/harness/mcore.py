@@ -51,7 +51,8 @@ def megatron_args(m: dict, tp: int, pp: int) -> argparse.Namespace:
         params_dtype=torch.float32, seq_length=SEQ, **_feature_args(m))
 
 
-FEATURES = dict(qkv_bias=False, qk_layernorm=False, window=None, rope_scaling=False, kv_channels=None)
+FEATURES = dict(qkv_bias=False, qk_layernorm=False, window=None, rope_scaling=False, kv_channels=None,
+                gelu_fusion=False)
 """Optional model features of a harness model dict (absent: off)."""
 
 
@@ -68,6 +69,8 @@ def _feature_args(m: dict) -> dict:
         out["window_size"] = (f["window"] - 1, 0)
     if f["rope_scaling"]:
         out.update(use_rope_scaling=True, rope_scaling_factor=8.0)
+    if f["gelu_fusion"]:  # Megatron-LM's default; the harness models run without it unless asked
+        out["bias_gelu_fusion"] = True
     return out
 
 
@@ -123,7 +126,8 @@ def _model(m: dict, tp: int, pp: int, pre: bool, post: bool, config: dict | None
         normalization=m["norm"], params_dtype=torch.float32, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0,
         add_qkv_bias=f["qkv_bias"], qk_layernorm=f["qk_layernorm"], kv_channels=f["kv_channels"],
-        window_size=(f["window"] - 1, 0) if f["window"] else None, **(config or {}))
+        window_size=(f["window"] - 1, 0) if f["window"] else None,
+        bias_activation_fusion=f["gelu_fusion"], **(config or {}))
     spec = get_gpt_layer_local_spec(normalization=m["norm"], qk_layernorm=f["qk_layernorm"], **(layer_spec or {}))
     return GPTModel(config=cfg, transformer_layer_spec=spec,
                     vocab_size=padded(m["vocab_size"], m["divisible_by"], tp), max_sequence_length=SEQ,
