@@ -232,3 +232,25 @@ def test_api_returns_dataclasses(tmp_path, make_ckpt):
     report = ckptool.verify(str(ckpt), deep=True)
     assert isinstance(report, ckptool.VerifyReport) and report.ok and report.pieces_read == 5
     assert torch.Size([96, 16]) == torch.Size(ckptool.inspect(str(ckpt)).largest[0].shape)
+
+
+def test_reshard_convert_and_load_refuse_an_uncommitted_ckptool_checkpoint(tmp_path, make_ckpt, run_cli):
+    """A checkpoint ckptool wrote without its manifest (written last) may be partial: verify
+    says "not committed" (exit 1), and reshard, convert and the hook's load refuse it with
+    exit 1 before writing anything (they read it as if whole)."""
+    import torch
+
+    from ckptool.core.errors import BadCheckpoint
+    from training.async_checkpointer import load
+
+    ck = make_ckpt(tmp_path / "step_000012")
+    (ck / "ckptool.json").unlink()
+    assert run_cli("verify", ck).code == 1
+    for argv in (["reshard", ck, tmp_path / "out", "--to-dp", "2"],
+                 ["convert", ck, tmp_path / "out", "--to", "deepspeed"]):
+        r = run_cli(*argv)
+        assert r.code == 1 and "not committed" in r.err, (argv, r.err)
+        assert not (tmp_path / "out").exists()
+    state = {"w": torch.zeros(1)}
+    with pytest.raises(BadCheckpoint, match="not committed"):
+        load(str(ck), state)

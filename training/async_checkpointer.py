@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ckptool.checkpoints.latest import latest
-from ckptool.checkpoints.open import candidates, open_checkpoint
+from ckptool.checkpoints.open import candidates, open_checkpoint, require_committed
 from ckptool.core.dcpfile import METADATA
 from ckptool.core.dcpwrite import DcpFileWriter, FileRecord, write_metadata
 from ckptool.core.engine import fill_into
@@ -423,6 +423,7 @@ def load(path: str, state: dict, rank: int = 0) -> int | None:
     """
 
     opened = open_checkpoint(path)
+    require_committed(opened)
     index = opened.index
     entries, leaves = describe(state, rank)
 

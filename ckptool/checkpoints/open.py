@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 import converters
-from ckptool.core.errors import CkptoolError, UnknownFormat
+from ckptool.core.errors import BadCheckpoint, CkptoolError, UnknownFormat
 from ckptool.core.gcpause import paused_gc
 from ckptool.core.index import CheckpointIndex, Reader
 from ckptool.core.manifest import MANIFEST, Manifest, read_manifest
@@ -140,6 +140,17 @@ def require_safe_pickles(opened: Opened) -> None:
         if len(found) > 1:
             error.message += f" (and {len(found) - 1} more entries)"
         raise error
+
+
+def require_committed(opened: Opened) -> None:
+    """Refuse (exit 1) a checkpoint that ckptool wrote and never committed: without its
+    manifest, written last, its writer may have stopped anywhere, so what it holds may be
+    partial. A foreign checkpoint (no ckptool mark) has no manifest to miss."""
+    if opened.manifest is None and opened.index.written_by_ckptool:
+        raise BadCheckpoint(f"not committed: {MANIFEST} is missing, so its writer never finished "
+                            "and the checkpoint may be partial", path=opened.store.url,
+                            hint="Use a committed checkpoint (ckptool latest ROOT names the newest); "
+                                 "nothing was written")
 
 
 def merge_manifest(index: CheckpointIndex, manifest: Manifest | None) -> CheckpointIndex:

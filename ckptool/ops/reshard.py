@@ -18,6 +18,7 @@ import converters
 from ckptool.checkpoints.open import (
     Opened,
     open_checkpoint,
+    require_committed,
     require_safe_pickles,
     resolve,
 )
@@ -172,6 +173,7 @@ def rewrite(opened: Opened, dst: str, fmt: str, options: RewriteOptions,
     """The one path for reshard and convert: plan the target files, fill them region by
     region from the source, commit atomically."""
     started = time.perf_counter()
+    require_committed(opened)
     if why := overlap(opened.store, dst):
         raise UsageError(f"the destination {why}", path=f"{dst} -> {opened.store.url}",
                          hint="Write to a new path outside the source checkpoint (and move it "
