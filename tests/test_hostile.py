@@ -315,6 +315,11 @@ CASES = [
         _storage(m, "model.norm.weight"), "length", -1)), "malformed storage entry"),
     Case("dcp-storage-not-a-record", "dcp", lambda c: _edit_metadata(c.ckpt, lambda m: m.storage_data.update(
         {next(iter(m.storage_data)): "__0_0.distcp"})), "malformed storage entry"),
+    # parsed, into something other than DCP's records (was the catch-all's exit 2)
+    Case("dcp-metadata-a-dict", "dcp", lambda c: (c.ckpt / ".metadata").write_bytes(pickle.dumps({})),
+         "DCP metadata is malformed"),
+    Case("dcp-tensor-entry-an-int", "dcp", lambda c: _edit_metadata(c.ckpt, lambda m: m.state_dict_metadata.update(
+        {next(iter(m.state_dict_metadata)): 5})), "DCP metadata is malformed"),
     Case("dcp-duplicate-storage", "dcp", lambda c: _edit_metadata(c.ckpt, _duplicate_entry),
          "two storage entries"),
     Case("dcp-metadata-memo-bomb", "dcp", lambda c: (c.ckpt / ".metadata").write_bytes(
@@ -542,6 +547,22 @@ def test_hostile_input_is_refused_cleanly(case, sources, tmp_path, run_cli):
             assert "warning: " in res.err and case.words in res.err, f"{label}:\n{res.err}"
         assert not scratch.marker.exists(), f"{label}: the payload ran"
         assert _snapshot(tmp_path) == before, f"{label}: the scratch directory changed"
+
+
+@pytest.mark.parametrize("text,words", [("[]", "not a JSON object but an array"),
+                                        ("[" * 100_000 + "]" * 100_000, "nested too deep")])
+def test_a_config_json_that_is_no_json_object_is_unreadable_input(text, words, sources, tmp_path, run_cli):
+    """An HF config.json that parses into another JSON value, or nests past the parser's depth,
+    is one line and exit 2 for every command (it was the catch-all's line: an AttributeError,
+    a RecursionError)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(sources["hf"], ckpt)
+    (ckpt / "config.json").write_text(text)
+    for cmd in COMMANDS["hf"]:
+        res = run_cli(cmd[0], ckpt, *[str(tmp_path / "dst") if a == "DST" else a for a in cmd[1:]])
+        lines = res.err.strip().splitlines()
+        assert res.code == 2 and len(lines) == 1 and words in lines[0], (cmd, res.err)
+        assert not (tmp_path / "dst").exists()
 
 
 def test_trusted_pickle_is_loaded_and_pickled_again_never_copied(sources, tmp_path, run_cli):

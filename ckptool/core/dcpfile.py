@@ -17,7 +17,7 @@ import io
 from typing import TYPE_CHECKING, Any
 
 from ckptool.core import progress
-from ckptool.core.errors import BadCheckpoint, CkptoolError, UnreadableInput
+from ckptool.core.errors import BadCheckpoint, CkptoolError, UnreadableInput, bounded
 from ckptool.core.index import (
     CheckpointIndex,
     Location,
@@ -49,6 +49,15 @@ class DcpContainerReader(Reader):
 
     def read_index(self, store: Store) -> CheckpointIndex:
         meta = read_metadata(store)
+        try:
+            return self._read_index(store, meta)
+        except (AttributeError, TypeError, KeyError, ValueError, IndexError) as exc:
+            # the file parsed, into something other than DCP's records (a dict, an int where a
+            # chunk list belongs...): the checkpoint is damaged, not unreadable
+            raise BadCheckpoint(f"DCP metadata is malformed ({type(exc).__name__}: "
+                                f"{bounded(exc, 120)})", path=store.display(METADATA)) from exc
+
+    def _read_index(self, store: Store, meta) -> CheckpointIndex:
         index = CheckpointIndex(format=self.name, url=store.url,
                                 format_version=getattr(meta, "version", None))
         storage = meta.storage_data or {}

@@ -26,13 +26,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 
 from ckptool.checkpoints.open import open_checkpoint
 from ckptool.core.errors import TopologyError, UsageError
+from ckptool.core.jsonfile import json_object
 from ckptool.core.layout import ModelSpec, ep_sizes, global_params, layout, model_spec, stage_layers
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
@@ -222,10 +222,8 @@ def model_from(path: str) -> tuple[ModelSpec, Topology | None]:
 
     store = Store.open(path)
     if not store.isdir() and store.exists():
-        try:
-            config = json.loads(store.read_bytes(""))
-        except ValueError:
-            raise UsageError("--model is neither JSON nor a checkpoint directory", path=path) from None
+        config = json_object(store.read_bytes(""), path, "--model (neither a checkpoint directory nor "
+                             "a JSON config)", UsageError)
         return _spec_from_json(config, path), None
 
     index = open_checkpoint(path).index

@@ -17,7 +17,6 @@ deepspeed-universal and pipeline readers and writers (:mod:`converters.deepspeed
 from __future__ import annotations
 
 import copy
-import json
 import math
 import re
 from collections import OrderedDict
@@ -27,6 +26,7 @@ from typing import Any
 from ckptool.core import VERSION
 from ckptool.core.errors import BadCheckpoint, TopologyError, UnreadableInput
 from ckptool.core.index import CheckpointIndex, Location, Piece, TensorInfo
+from ckptool.core.jsonfile import json_object
 from ckptool.core.lazy import lazy
 from ckptool.core.optimizer import ParamGroups, state_key, torch_state_dict
 from ckptool.core.regions import Region, Shard
@@ -343,12 +343,7 @@ class ZeroReader(TorchFileReader):
             where, raw = store.display(CONFIG), store.read_bytes(CONFIG)
         else:
             return None
-        try:
-            config = json.loads(raw)
-        except ValueError:
-            raise UnreadableInput("the model config is not valid JSON", path=where) from None
-        if not isinstance(config, dict):
-            raise UnreadableInput("the model config is not a JSON object", path=where)
+        config = json_object(raw, where, "the model config")
         if self.model_family is None and known_family(config) is None:
             layout = index.layout(Layout)  # an architecture without a table: names kept
             return stored_view(index, config, layout.shared if layout else {})

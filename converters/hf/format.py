@@ -28,6 +28,7 @@ from ckptool.core.index import (
     TensorInfo,
     Writer,
 )
+from ckptool.core.jsonfile import json_object
 from ckptool.core.layout import ModelSpec, model_spec
 from ckptool.core.lazy import lazy
 from ckptool.core.manifest import HashingWriter
@@ -91,10 +92,7 @@ class HfReader(Reader):
 
     def _stored(self, store: Store) -> tuple[CheckpointIndex, CheckpointIndex, list[HfTensor]]:
         """(the index under stored names, the canonical index, the family's table)."""
-        try:
-            config = json.loads(store.read_bytes(CONFIG))
-        except ValueError:
-            raise UnreadableInput("config.json is not valid JSON", path=store.display(CONFIG)) from None
+        config = json_object(store.read_bytes(CONFIG), store.display(CONFIG), "config.json")
         family = family_of_config(config, self.model_family, store.display(CONFIG))
         spec = spec_from_config(config, family)
         weight_map = self._weight_map(store)

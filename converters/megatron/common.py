@@ -46,7 +46,7 @@ def metadata(store: Store, rel: str = "") -> dict | None:
         return None
     try:
         meta = json.loads(store.read_bytes(path))
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return meta if isinstance(meta, dict) and "sharded_backend" in meta else None
 

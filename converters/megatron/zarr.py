@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ckptool.core.errors import BadCheckpoint, UnreadableInput, UnsupportedFormat
+from ckptool.core.errors import BadCheckpoint, UnreadableInput, UnsupportedFormat, bounded
 from ckptool.core.index import (
     CheckpointIndex,
     Location,
@@ -224,8 +224,8 @@ def _read_zarray(store: Store, rel: str) -> tuple[tuple[int, ...], torch.dtype, 
         meta = json.loads(store.read_bytes(rel))
         shape, chunks = tuple(int(n) for n in meta["shape"]), tuple(int(n) for n in meta["chunks"])
         fmt, order, dtype_str = meta["zarr_format"], meta.get("order", "C"), meta["dtype"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise BadCheckpoint(f"zarr array metadata cannot be parsed ({exc})", path=source) from None
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise BadCheckpoint(f"zarr array metadata cannot be parsed ({bounded(exc, 120)})", path=source) from None
     if fmt != 2:
         raise UnsupportedFormat(f"zarr format {fmt} arrays are not read (Megatron-Core wrote v2)",
                                 path=source)
