@@ -432,10 +432,7 @@ def _plant_dcp_object(case) -> None:
 
 
 def _edit_manifest(case, edit) -> None:
-    path = case.ckpt / "ckptool.json"
-    data = json.loads(path.read_text())
-    edit(data)
-    path.write_text(json.dumps(data))
+    _edit_json(case.ckpt / "ckptool.json", edit)
 
 
 def _plant_listed_symlink(case) -> None:
