@@ -246,6 +246,10 @@ CASES = [
         _edit_manifest(c, lambda m: m.update(files=[f for f in m["files"] if not f["path"].endswith(".distcp")])),
         patch(c.ckpt / "__0_0.distcp", (c.ckpt / "__0_0.distcp").stat().st_size // 2, b"\xff")),
          "not in the manifest, so no checksum", commands=[["verify"], ["verify", "--deep"]]),
+    # the same for the metadata file every read goes through (verify warned and said OK)
+    Case("manifest-metadata-unlisted", "sealed", lambda c: _edit_manifest(
+        c, lambda m: m.update(files=[f for f in m["files"] if f["path"] != ".metadata"])),
+         "not in the manifest, so no checksum", commands=[["verify"], ["verify", "--deep"]]),
     # ---- pointers to what is not there
     Case("megatron-tracker-missing", "megatron",
          lambda c: (c.ckpt / "latest_checkpointed_iteration.txt").write_text("99"),

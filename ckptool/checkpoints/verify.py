@@ -190,9 +190,10 @@ def _check_manifest(check: _Check, manifest: Manifest, actual: dict[str, int], s
     for rel in sorted(actual):
         if rel == MANIFEST or rel in listed:
             continue
-        if rel in read:  # a data file the checkpoint's metadata reads, whose bytes no hash covers
-            check.add("unlisted", "data file is not in the manifest, so no checksum covers its bytes "
-                                  "(the manifest was edited, or the file added after the commit)", rel)
+        if rel in read:  # a file the checkpoint is read through (data, metadata), whose bytes no hash covers
+            check.add("unlisted", "the checkpoint reads this file, which is not in the manifest, so no "
+                                  "checksum covers its bytes (the manifest was edited, or the file "
+                                  "added after the commit)", rel)
             continue
         problem = Problem("extra", "unexpected file, not in the manifest", check.store.display(rel))
         (check.problems if strict else check.warnings).append(problem)

@@ -71,6 +71,7 @@ class DcpContainerReader(Reader):
         _check_disjoint(store, spans)
         with progress.step("indexing tensors", len(storage), "chunks") as step:
             self._index_tensors(store, meta, by_fqn, index, step)
+        index.files[METADATA] = 1  # read for everything else: a manifest must cover it too
         save_id = getattr(getattr(meta, "storage_meta", None), "save_id", None) or ""
         index.written_by_ckptool = save_id.startswith(SAVE_ID_MARK)
         return index
