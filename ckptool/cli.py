@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from ckptool.core import VERSION, gcpause, progress
+from ckptool.core import VERSION, gcpause, progress, safe_pickle
 from ckptool.core.errors import CkptoolError, NoCheckpoint, UsageError, bounded
 
 _READ_ONLY: list[bool] = []
@@ -567,6 +567,7 @@ def _fail(line: str | None, code: int, argv: list[str], message: str | None = No
 def main(argv: list[str] | None = None) -> None:
     argv = _literal_targets(list(sys.argv[1:] if argv is None else argv))
     gcpause.freeze_builds(True)  # a command's index lives until it ends: never walked again
+    safe_pickle.bound_unwalked_pickles(True)  # what a large pickle claims fails, not allocated
     try:
         cli.main(args=argv, prog_name="ckptool", standalone_mode=False)
     except click.exceptions.Abort:
@@ -593,6 +594,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         progress.disable()  # a command's setting, not the process's (main runs in tests too)
         gcpause.freeze_builds(False)
+        safe_pickle.bound_unwalked_pickles(False)
         gc.unfreeze()
 
 

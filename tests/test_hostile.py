@@ -758,3 +758,36 @@ def test_an_unforeseen_error_is_one_line_not_a_traceback(tmp_path, run_cli, monk
     assert r.code == 2 and len(lines) == 1 and "Traceback" not in r.err, r.err
     assert lines[0].startswith("ckptool: error: ") and "CKPTOOL_DEBUG=1" in lines[0], r.err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_memo_bomb_in_a_pickle_too_large_to_walk_is_not_allocated(tmp_path):
+    """A ``.metadata`` above ``CHECKED_PICKLE`` is not walked opcode by opcode (at 157 MB the
+    walk would cost three times the parse). One whose first memo entry is made at index 2**28
+    (``LONG_BINPUT``, 5 bytes) made CPython's unpickler zero-fill a 4 GB memo: the command
+    reached 4 GB of memory. The command line caps the address space while such a pickle
+    parses, so it fails as damage (exit 1) within a bounded memory."""
+    from ckptool.core.safe_pickle import CHECKED_PICKLE
+
+    state = {f"optimizer.state.{i}.exp_avg": torch.zeros(2) for i in range(4000)}
+    ckpt = tmp_path / "ckpt"
+    dcp.save(state, checkpoint_id=str(ckpt))
+    data = (ckpt / ".metadata").read_bytes()
+    assert len(data) > CHECKED_PICKLE
+    ops = list(pickletools.genops(data))
+    i = next(i for i, (op, _, _) in enumerate(ops) if op.name in ("BINPUT", "MEMOIZE"))
+    at, end = ops[i][2], ops[i + 1][2]
+    bomb = b"r" + struct.pack("<I", 1 << 28)
+    frame = max((pos for op, _, pos in ops[:i] if op.name == "FRAME"), default=None)
+    if frame is not None:  # the frame holding it says 4 bytes more
+        (length,) = struct.unpack("<Q", data[frame + 1:frame + 9])
+        grown = len(bomb) - (end - at)
+        data = data[:frame + 1] + struct.pack("<Q", length + grown) + data[frame + 9:]
+    (ckpt / ".metadata").write_bytes(data[:at] + bomb + data[end:])
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with subprocess.Popen([sys.executable, "-m", "ckptool", "inspect", str(ckpt)], env=env, cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
+        err = proc.stderr.read()  # one line: no pipe fills
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak, not the largest child's
+        proc.returncode = code = os.waitstatus_to_exitcode(status)
+    assert code == 1 and "DCP metadata cannot be parsed (MemoryError" in err, (code, err)
+    assert usage.ru_maxrss * 1024 < 2 << 30, f"peak {usage.ru_maxrss / 2**20:.1f} GiB"

@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import copyreg
 import functools
 import io
+import os
 import pickle
 import posixpath
 import sys
+import threading
 import types
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterator
@@ -564,7 +567,69 @@ _MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 CHECKED_PICKLE = 256 << 10
 """Pickles up to this size (every ``torch.save`` data.pkl ckptool meets, small DCP metadata)
 are walked opcode by opcode before CPython's unpickler runs them (:func:`check_opcodes`).
-Larger ones (a 100B+ model's ``.metadata``) are not yet: the walk costs 3x the parse."""
+Larger ones (a 100B+ model's ``.metadata``: 157 MB) are not: the walk, in Python, costs three
+times the parse. What bounds them is the address space (:func:`parsing`)."""
+
+PARSE_ROOM_PER_BYTE = 32
+"""Address space the parse of an unwalked pickle may add, per byte of it (at least
+:data:`PARSE_ROOM_MIN`): the objects a DCP ``.metadata`` holds take about 15 bytes per byte
+of pickle (4.7 GB of process for 329 MB at 512 ranks)."""
+PARSE_ROOM_MIN = 1 << 30
+
+_BOUNDED = [False]
+_BOUND_LOCK = threading.Lock()
+
+
+def bound_unwalked_pickles(enabled: bool) -> None:
+    """Whether :func:`parsing` caps the address space (``RLIMIT_AS``) while a pickle too large
+    to walk is parsed. A process limit: the command line turns it on for its command; a library
+    host (a training job, whose CUDA context maps more than any cap) keeps it off."""
+    _BOUNDED[0] = enabled
+
+
+@contextlib.contextmanager
+def parsing(data: bytes, source: str):
+    """Around CPython's unpickler running ``data``: a pickle up to :data:`CHECKED_PICKLE` is
+    walked first (:func:`check_opcodes`); a larger one runs under an address-space cap of what
+    the process maps now plus :data:`PARSE_ROOM_PER_BYTE` per byte, where the command line set
+    one (:func:`bound_unwalked_pickles`), so that a memo index or a length it claims fails as a
+    MemoryError (which the callers report as damage) instead of being allocated: ``LONG_BINPUT
+    2**28`` makes the unpickler zero-fill a 4 GB memo. Large pickles parse one at a time."""
+    if len(data) <= CHECKED_PICKLE:
+        check_opcodes(data, source)
+        yield
+        return
+    if not _BOUNDED[0]:
+        yield
+        return
+    with _BOUND_LOCK, _address_space(max(PARSE_ROOM_MIN, PARSE_ROOM_PER_BYTE * len(data))):
+        yield
+
+
+@contextlib.contextmanager
+def _address_space(room: int):
+    """``RLIMIT_AS`` at what the process maps now plus ``room`` (never above a limit already
+    set), restored after; nothing where the mapping cannot be read (not Linux)."""
+    try:
+        import resource
+
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (ImportError, OSError, ValueError):
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = mapped + room
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    if soft != resource.RLIM_INFINITY and soft <= cap:
+        yield  # a tighter limit is set already
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def check_opcodes(data: bytes, source: str) -> None:
@@ -595,12 +660,11 @@ def load_dcp_metadata(data: bytes, source: str) -> Any:
     Records keep DCP's attribute names (``state_dict_metadata``, ``storage_data``,
     ``chunks``, ``offsets``...), so readers use them as DCP documents them.
     """
-    if len(data) <= CHECKED_PICKLE:
-        check_opcodes(data, source)
     with progress.step(f"reading {posixpath.basename(source)}", len(data), "B") as step:
         unpickler = _MetadataUnpickler(_Counted(data, step))
         try:
-            meta = unpickler.load()
+            with parsing(data, source):
+                meta = unpickler.load()
         except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError,
                 IndexError, TypeError, KeyError, RecursionError, MemoryError, OverflowError) as exc:
             raise BadCheckpoint(f"DCP metadata cannot be parsed ({type(exc).__name__}: "

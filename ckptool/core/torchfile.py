@@ -34,13 +34,12 @@ import xxhash
 from ckptool.core.errors import BadCheckpoint, UnsupportedFormat
 from ckptool.core.lazy import lazy
 from ckptool.core.safe_pickle import (
-    CHECKED_PICKLE,
     Record,
     Unpickler,
-    check_opcodes,
     as_torch,
     dtype_named,
     is_dtype,
+    parsing,
     record_class,
     refuse_unsafe,
     unsafe_in,
@@ -247,11 +246,10 @@ class TorchFile:
                     path=source, hint="load it with torch.load and save it again with torch.save on "
                                       "a little-endian machine")
             raise BadCheckpoint(f"torch.save archive with byteorder {order[:16]!r}", path=source)
-        if len(pkl) <= CHECKED_PICKLE:
-            check_opcodes(pkl, source)
         unpickler = _Unpickler(io.BytesIO(pkl))
         try:
-            self.obj = unpickler.load()
+            with parsing(pkl, source):
+                self.obj = unpickler.load()
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
                 KeyError, RecursionError, MemoryError, OverflowError) as exc:
             raise BadCheckpoint(f"damaged pickle in torch.save archive ({type(exc).__name__}: "
