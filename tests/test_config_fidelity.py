@@ -467,3 +467,85 @@ def test_gpt2_model_named_llama_is_refused_with_its_traits(tmp_path, run_cli):
     assert_refused(r, dst, "it has LayerNorm, GELU and learned positions; it is gpt2, not llama")
     r = run_cli("convert", mid, dst, "--to", "hf", "--model-family", "gpt2")
     assert r.code == 0, r.err
+
+
+# ---- what the same Megatron args compute in each model code (Megatron-Core, the legacy
+# models); upstream: megatron/training/arguments.py core_transformer_config_from_args, the
+# legacy ParallelMLP and RotaryEmbedding, Megatron-DeepSpeed's arguments.py
+
+
+def _args(m: dict = H.GPT, **over):
+    """Megatron-LM's stored args of the harness model ``m``, with ``over``."""
+    import argparse
+
+    return argparse.Namespace(**{**vars(H.megatron_args(m, 1, 1)), **over})
+
+
+@pytest.mark.parametrize("over,model,want", [
+    (dict(openai_gelu=True, bias_gelu_fusion=False), "mcore", "gelu"),  # Megatron-Core reads only the fusion
+    (dict(openai_gelu=True, bias_gelu_fusion=False), "legacy", "gelu_tanh"),
+    (dict(onnx_safe=True, bias_gelu_fusion=True), "mcore", "gelu_tanh"),
+    (dict(onnx_safe=True, bias_gelu_fusion=True), "legacy", "gelu"),  # taken before the fusion
+    (dict(bias_gelu_fusion=True), "megatron-deepspeed", "gelu_tanh"),
+    (dict(bias_gelu_fusion=True, add_bias_linear=False), "mcore", "gelu"),  # no fused kernel without biases
+])
+def test_the_gelu_of_megatron_args_is_the_one_its_model_code_runs(over, model, want):
+    from converters.schemas.megatron_args import spec_from_args
+
+    assert spec_from_args(_args(**over), model=model)[0].activation == want
+
+
+def test_megatron_core_ignores_openai_gelu_so_hf_gets_the_exact_gelu(tmp_path, run_cli):
+    """A Megatron-Core GPT whose args say --openai-gelu (which Megatron-Core never reads) ran the
+    exact GELU: it converts to HF ``gelu`` with the model's logits (it was converted as
+    ``gelu_new``)."""
+    m = dict(H.GPT, openai_gelu=True)
+    src = tmp_path / "mg"
+    want = H.save_real(m, 1, src)
+    r = run_cli("convert", src, tmp_path / "hf", "--to", "hf", "--true-vocab-size", m["vocab_size"])
+    assert r.code == 0, r.err
+    model = load_hf(tmp_path / "hf", dtype=torch.float32)
+    assert model.config.activation_function == "gelu"
+    got = hf_logits(model, m["vocab_size"])
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_megatron_deepspeed_args_rope_theta_and_dense_num_experts():
+    """Megatron-DeepSpeed stores its RoPE base as ``rope_theta`` (--rotary-position-embeddings-theta,
+    which its model applies; ckptool read 10000) and ``num_experts`` as a list, ``[1]`` for every
+    dense model (ckptool stopped with a TypeError); DeepSpeed-MoE models are refused by name."""
+    from ckptool.core.errors import UnsupportedFormat
+    from converters.schemas.megatron_args import spec_from_args
+
+    args = _args(H.LLAMA, use_rotary_position_embeddings=True, normalization="rmsnorm",
+                 rope_theta=500000, num_experts=[1], topk=1, expert_interval=2, mlp_type="standard")
+    del args.position_embedding_type  # Megatron-DeepSpeed's spelling is the flag above
+    spec = spec_from_args(args, model="megatron-deepspeed")[0]
+    assert spec.rotary_base == 500000 and not spec.num_experts and not spec.learned_positions
+    args.num_experts = [8]
+    with pytest.raises(UnsupportedFormat, match=r"Megatron-DeepSpeed MoE \(num_experts=\[8\]"):
+        spec_from_args(args, model="megatron-deepspeed")
+
+
+@pytest.mark.parametrize("over", [dict(rotary_base=500000), dict(use_rope_scaling=True),
+                                  dict(window_size=(3, 0))])
+def test_args_the_legacy_model_ignores_are_refused_for_legacy_checkpoints(over):
+    """Megatron-LM's legacy model applies no RoPE base, scaling or window: args of a legacy
+    checkpoint that set one disagree with what ran, so the read is refused (ckptool carried the
+    args' value: wrong logits); Megatron-Core and Megatron-DeepSpeed (rope_theta) apply them."""
+    from ckptool.core.errors import UnsupportedFormat
+    from converters.schemas.megatron_args import spec_from_args
+
+    args = _args(H.LLAMA, **over)
+    with pytest.raises(UnsupportedFormat, match=next(iter(over))):
+        spec_from_args(args, model="legacy")
+    spec_from_args(args, model="mcore")
+
+
+def test_legacy_names_are_not_written_for_a_rope_base_the_legacy_model_ignores(tmp_path, run_cli):
+    src = save_hf(tmp_path / "llama3", num_key_value_heads=4,  # legacy names hold no GQA
+                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    r = run_cli("convert", src, tmp_path / "mg", "--to", "megatron", "--megatron-names", "legacy")
+    assert r.code == 2 and "RoPE at base 500000" in r.err, r.err
+    assert not (tmp_path / "mg").exists()
+    assert run_cli("convert", src, tmp_path / "mg", "--to", "megatron").code == 0

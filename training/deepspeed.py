@@ -149,7 +149,7 @@ def _pipeline_state(engine, args) -> dict:
                          hint="Pass args=megatron.get_args(), or a dict of the model's Megatron "
                               "arguments")
     spec, _, _ = spec_from_args(args if isinstance(args, argparse.Namespace)
-                                else argparse.Namespace(**args))
+                                else argparse.Namespace(**args), model="megatron-deepspeed")
     grid, module, opt = engine.grid, engine.module, engine.optimizer
     stage = engine.zero_optimization_stage()
     tp, tp_rank = grid.get_slice_parallel_world_size(), grid.get_slice_parallel_rank()

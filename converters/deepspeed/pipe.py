@@ -194,7 +194,7 @@ def read_pipeline(reader, store, tag: str, names: list[str]) -> CheckpointIndex:
                               hint="ckptool reads Megatron-DeepSpeed's GPTModelPipe checkpoints, "
                                    "whose client state carries args")
     args = normalize_args(raw_args)
-    spec, topo, vocab_known = spec_from_args(args)
+    spec, topo, vocab_known = spec_from_args(args, model="megatron-deepspeed")
     version = ms.get("checkpoint_version")
     check_legacy_schema("legacy", spec, version, store.display(first))
     dims = ms.get("checkpoint_parallel_dimensions")
@@ -747,7 +747,7 @@ def adopt_hook_state(opened) -> None:
         raise UnreadableInput("the hook's record holds no param groups for every rank", path=where)
     steps = _group_steps(opened, groups, layers)
     if index.model_config is None:  # the job's Megatron args say what the model is
-        index.model_config = _asdict(spec_from_args(args)[0])
+        index.model_config = _asdict(spec_from_args(args, model="megatron-deepspeed")[0])
     iteration = index.iteration if index.iteration is not None else int(record.get("global_steps") or 0)
     topo = index.topology or Topology()
     version = record.get("ds_version") or "0.16.0"

@@ -184,7 +184,7 @@ def _read_common_entries(common: dict, index: CheckpointIndex, source: str) -> N
         index.iteration = common["iteration"]
     args = common.get("args")
     if isinstance(args, argparse.Namespace):
-        spec, topo, known = spec_from_args(args)
+        spec, topo, known = spec_from_args(args, model="mcore")  # torch_dist: Megatron-Core's
         index.topology, index.model_config = topo, asdict(spec)
         index.true_vocab_size = spec.vocab_size if known else None
 

@@ -175,7 +175,7 @@ class MegatronReader(TorchFileReader):
         if not isinstance(args, argparse.Namespace):
             raise BadCheckpoint("rank file has no Megatron `args`", path=store.display(files[0].rel),
                                 hint="ckptool needs args to know the model layout")
-        spec, topo, vocab_known = spec_from_args(args)
+        spec, topo, vocab_known = spec_from_args(args, model=_model_code(first))
         files = sorted((f.placed(topo) for f in files), key=lambda f: (f.pp, f.ep, f.tp))
         primaries = _primaries(files, topo, store)
         version = first.get("checkpoint_version")
@@ -401,6 +401,15 @@ def _expert(canonical: str | None, spec: ModelSpec, topo: Topology, f: _RankFile
     return key, experts[j]
 
 
+def _model_code(first: dict) -> str | None:
+    """Which model code wrote a rank file (its tensor names say): ``legacy`` (Megatron-LM's legacy
+    model, ``language_model.*``) or ``mcore``; None when its model chunk is not found."""
+    chunk = first.get("model", first.get("model0"))
+    if not isinstance(chunk, dict):
+        return None
+    return "legacy" if detect_schema(_flatten(chunk)) == "legacy" else "mcore"
+
+
 def _iteration(data: dict) -> int | None:
     it = data.get("iteration")
     return int(it) if isinstance(it, int) else None
@@ -523,6 +532,14 @@ class MegatronWriter(UnevenStages, Writer):
             what = "QK norms" if spec.qk_layernorm else "grouped-query attention"
             raise UsageError(f"pre-mcore (legacy) names cannot express {what} here",
                              hint="Use --megatron-names mcore-local or mcore-te")
+        if schema == "legacy":  # Megatron-LM's legacy model would not apply them
+            what = ("RoPE at base %g" % spec.rotary_base if not spec.learned_positions
+                    and spec.rotary_base != 10000 else "RoPE scaling" if spec.rope_scaling
+                    else "a sliding window" if spec.window_size is not None else None)
+            if what:
+                raise UsageError(f"the model has {what}, which Megatron-LM's legacy model (legacy "
+                                 f"names) does not apply: it would compute differently",
+                                 hint="Use --megatron-names mcore-local or mcore-te; nothing was written")
         it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)
         optim_layout = index.layout(optim.Layout) if with_optimizer else None
         self._from_deepspeed = optim.deepspeed_state(index, self._schedule, with_optimizer)

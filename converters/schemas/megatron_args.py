@@ -12,7 +12,7 @@ import copy
 import re
 from dataclasses import replace
 
-from ckptool.core.errors import UnreadableInput, UsageError
+from ckptool.core.errors import UnreadableInput, UnsupportedFormat, UsageError
 from ckptool.core.index import CheckpointIndex
 from ckptool.core.layout import ModelSpec, model_spec, padded_vocab
 from ckptool.core.topology import Topology
@@ -29,7 +29,9 @@ def normalize_args(args: argparse.Namespace) -> argparse.Namespace:
     """Megatron-DeepSpeed's args under Megatron-LM's spellings, which the layout rules read
     (Megatron-LM's own args pass unchanged): ``normalization`` ``layernorm``/``rmsnorm`` ->
     ``LayerNorm``/``RMSNorm``, ``add_position_embedding`` / ``use_rotary_position_embeddings``
-    -> ``position_embedding_type``, ``num_key_value_heads`` -> ``num_query_groups``."""
+    -> ``position_embedding_type``, ``num_key_value_heads`` -> ``num_query_groups``, ``rope_theta``
+    -> ``rotary_base``; its ``num_experts`` list of a dense model (``[1]``) -> none, of a
+    DeepSpeed-MoE model refused."""
     out = copy.copy(args)
     norm = str(getattr(args, "normalization", "") or "")
     out.normalization = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(norm.lower(), norm or "LayerNorm")
@@ -41,12 +43,36 @@ def normalize_args(args: argparse.Namespace) -> argparse.Namespace:
     if kv and not getattr(args, "group_query_attention", False) and \
             kv != getattr(args, "num_attention_heads", kv):
         out.group_query_attention, out.num_query_groups = True, int(kv)
+    if getattr(args, "rotary_base", None) is None and getattr(args, "rope_theta", None) is not None:
+        out.rotary_base = args.rope_theta  # --rotary-position-embeddings-theta, which its RoPE applies
+    experts = getattr(args, "num_experts", None)
+    if isinstance(experts, (list, tuple)):  # --num-experts N [N ...], per layer group; default [1]
+        if not all(isinstance(e, int) and not isinstance(e, bool) for e in experts):
+            raise UnreadableInput(f"Megatron-DeepSpeed args hold num_experts={str(experts)[:40]}")
+        if max(experts, default=1) > 1:
+            raise UnsupportedFormat(
+                f"Megatron-DeepSpeed MoE (num_experts={str(experts)[:40]}): DeepSpeed's MoE layers (--topk, "
+                f"--expert-interval, --mlp-type, capacity factors, deepspeed_moe names) are not laid "
+                f"out by ckptool, so converting it would change the model",
+                hint="Dense Megatron-DeepSpeed models (num_experts [1]) and Megatron-Core MoE are "
+                     "read; nothing was written")
+        out.num_experts = None  # [1]: a dense model
     return out
 
 
-def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
-                   ) -> tuple[ModelSpec, Topology, bool]:
-    """The model and topology Megatron ``args`` describe, and whether the true vocab is known."""
+MODELS = ("mcore", "legacy", "megatron-deepspeed")
+"""The model code a checkpoint's args ran in, where it matters for the math (:func:`spec_from_args`):
+Megatron-Core, Megatron-LM's legacy model, Megatron-DeepSpeed's model."""
+
+
+def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None, *,
+                   model: str | None = None) -> tuple[ModelSpec, Topology, bool]:
+    """The model and topology Megatron ``args`` describe, and whether the true vocab is known.
+
+    ``model`` (one of :data:`MODELS`; None: not known) is the code that ran them: the same args
+    compute differently in Megatron-Core and in the legacy models (the GELU, RoPE's base)."""
+    if model == "legacy" and not hasattr(args, "rope_theta"):  # Megatron-DeepSpeed applies its theta
+        _refuse_ignored_by_legacy(normalize_args(args))
     args = normalize_args(args)
     try:
         layers = int(args.num_layers)
@@ -82,7 +108,7 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
             last_stage_layers=_get(args, "decoder_last_pipeline_num_layers"),
             norm_epsilon=float(_get(args, "norm_epsilon", _get(args, "layernorm_epsilon", 1e-5))),
             rotary_base=float(_get(args, "rotary_base", 10000)),
-            activation=_activation(args),
+            activation=_activation(args, model),
             **_features(args),
         )
     except ValueError as exc:  # ModelSpec's bounds: the args are untrusted
@@ -100,20 +126,51 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None
     return spec, topo, bool(true_vocab)
 
 
-def _activation(args: argparse.Namespace) -> str:
+def _activation(args: argparse.Namespace, model: str | None) -> str:
     """The GELU the MLP of a model trained with ``args`` computed: ``gelu_tanh`` or ``gelu``.
 
     Megatron-LM's fused bias-GELU (``--bias-gelu-fusion``, its default, which validate_args turns
     off in an MLP without biases) is the tanh approximation, in the legacy model and in
-    Megatron-Core alike; so is ``--openai-gelu``. The legacy model's ``--onnx-safe`` GELU, taken
-    before the fusion, is the exact one. With ``--swiglu`` the MLP gates with SiLU. Args without
-    ``bias_gelu_fusion`` (not written by Megatron-LM: ckptool's own before it wrote the flag)
-    mean no fusion."""
+    Megatron-Core alike. Megatron-Core reads nothing else (its TransformerConfig has no
+    ``openai_gelu`` or ``onnx_safe``: ``core_transformer_config_from_args`` passes only the
+    fusion). The legacy models (Megatron-LM's, Megatron-DeepSpeed's) take ``--openai-gelu`` (tanh),
+    then ``--onnx-safe`` (exact), then the fusion. With ``--swiglu`` the MLP gates with SiLU.
+    Args without ``bias_gelu_fusion`` (not written by Megatron-LM: ckptool's own before it wrote
+    the flag) mean no fusion."""
     if _get(args, "swiglu", False):
         return "gelu"
-    fused = _get(args, "bias_gelu_fusion", False) and _get(args, "add_bias_linear", True) \
-        and not _get(args, "onnx_safe", False)
-    return "gelu_tanh" if _get(args, "openai_gelu", False) or fused else "gelu"
+    fused = bool(_get(args, "bias_gelu_fusion", False) and _get(args, "add_bias_linear", True))
+    if model != "mcore":
+        if _get(args, "openai_gelu", False):
+            return "gelu_tanh"
+        if _get(args, "onnx_safe", False):
+            return "gelu"
+    return "gelu_tanh" if fused else "gelu"
+
+
+_LEGACY_IGNORES = (
+    ("rotary_base", lambda v, a: v not in (None, 10000, 10000.0) and
+     str(_get(a, "position_embedding_type", "")) == "rope", "RoPE at base 10000"),
+    ("use_rope_scaling", lambda v, a: bool(v), "RoPE without scaling"),
+    ("window_size", lambda v, a: _window(v) is not None, "full attention"),
+)
+"""Megatron-LM args its legacy model does not apply (its RotaryEmbedding takes no base or scaling,
+its attention no window): what it ran instead."""
+
+
+def _refuse_ignored_by_legacy(args: argparse.Namespace) -> None:
+    """Refuse args of Megatron-LM's legacy model that its code ignores: the stored args then say
+    one model and the weights were trained as another, and which one cannot be told apart from
+    the args alone."""
+    for name, set_, ran in _LEGACY_IGNORES:
+        value = getattr(args, name, None)
+        if set_(value, args):
+            raise UnsupportedFormat(
+                f"the args set {name}={str(value)[:40]}, which Megatron-LM's legacy model (its "
+                f"tensor names) does not apply: it ran {ran}. The args and the weights disagree "
+                f"about the model, so no conversion can be trusted to compute what was trained",
+                hint="Nothing was written; a checkpoint of Megatron-Core (--use-mcore-models) "
+                     "applies these args")
 
 
 MCORE_ROPE_SCALING = {"rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0,

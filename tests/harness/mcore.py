@@ -52,7 +52,7 @@ def megatron_args(m: dict, tp: int, pp: int) -> argparse.Namespace:
 
 
 FEATURES = dict(qkv_bias=False, qk_layernorm=False, window=None, rope_scaling=False, kv_channels=None,
-                gelu_fusion=False)
+                gelu_fusion=False, openai_gelu=False)
 """Optional model features of a harness model dict (absent: off)."""
 
 
@@ -71,6 +71,8 @@ def _feature_args(m: dict) -> dict:
         out.update(use_rope_scaling=True, rope_scaling_factor=8.0)
     if f["gelu_fusion"]:  # Megatron-LM's default; the harness models run without it unless asked
         out["bias_gelu_fusion"] = True
+    if f["openai_gelu"]:  # stored by Megatron-LM; Megatron-Core's model never reads it
+        out["openai_gelu"] = True
     return out
 
 
