@@ -67,3 +67,34 @@ def test_prelaunch_refuses_a_run_with_no_valid_checkpoint(tmp_path):
     proc = subprocess.run(["bash", "-c", script.replace(str(run), str(fresh))], capture_output=True,
                           text=True, env=env, timeout=120)
     assert proc.returncode == 0 and "starting fresh" in proc.stdout and "launched" in proc.stdout
+
+
+def _prelaunch(run: Path, tp: int, pp: int, dp: int, mode: str = "hook") -> subprocess.CompletedProcess:
+    script = (f"source {ROOT}/examples/slurm/prelaunch.sh; prelaunch {run} {tp} {pp} {dp}; "
+              f"echo \"launched LOAD_ROOT=$LOAD_ROOT\"")
+    env = dict(os.environ, CKPTOOL=f"{sys.executable} -m ckptool", PYTHON=sys.executable,
+               RESHARD_MODE=mode)
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_prelaunch_starts_fresh_when_the_only_save_never_committed(tmp_path):
+    """A first save killed before its commit leaves only ``step_X.tmp-*``: nothing was saved, so
+    the (requeued) job starts fresh (it refused to start, every time: exit 3)."""
+    run = tmp_path / "run"
+    (run / "step_00000004.tmp-0123abcd").mkdir(parents=True)
+    proc = _prelaunch(run, 1, 1, 1)
+    assert proc.returncode == 0 and "starting fresh" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_prelaunch_offline_reshards_once_per_target_topology(tmp_path, make_ckpt):
+    """RESHARD_MODE=offline keeps one resharded copy per job size: a restart at DP4 after one at
+    DP2 loads a DP4 checkpoint (it reused the DP2 one, whose name was the same)."""
+    from ckptool import inspect
+
+    run = tmp_path / "run"
+    make_ckpt(run / "step_00000008", iteration=8)  # saved at TP1/PP1/DP1
+    for dp in (2, 4):
+        proc = _prelaunch(run, 1, 1, dp, "offline")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        load_root = proc.stdout.split("LOAD_ROOT=")[-1].strip()
+        assert inspect(str(Path(load_root) / "step_00000008")).topology["dp"] == dp

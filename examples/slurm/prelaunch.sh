@@ -7,16 +7,17 @@
 #   from scratch on top of a broken run).
 # * The newest valid checkpoint was written by another topology (fewer or more nodes):
 #   RESHARD_MODE=hook (default) lets the training hook reshard at load time;
-#   RESHARD_MODE=offline runs `ckptool reshard` first into RUN_ROOT.resharded/ and loads
-#   from there (for trainers whose loader cannot reshard, e.g. Megatron's legacy one).
+#   RESHARD_MODE=offline runs `ckptool reshard` first into RUN_ROOT.resharded/tpT_ppP_dpD/
+#   and loads from there (for trainers whose loader cannot reshard, e.g. Megatron's legacy one).
 CKPTOOL=${CKPTOOL:-ckptool}
 RESHARD_MODE=${RESHARD_MODE:-hook}
 
 prelaunch() {
   local root=$1 tp=$2 pp=$3 dp=$4 ckpt saved
   LOAD_ROOT=""
+  # a save killed before it committed leaves only STEP.tmp-*: nothing saved, not a broken run
   saved=$(find "$root" -mindepth 1 -maxdepth 1 \( -name 'step_*' -o -name 'iter_*' -o -name 'global_step*' \) \
-          2>/dev/null | head -1)
+          ! -name '*.tmp-*' 2>/dev/null | head -1)
   if [ -z "$saved" ]; then
     echo "prelaunch: nothing saved under $root yet: starting fresh"
     return 0
@@ -39,12 +40,14 @@ prelaunch() {
     hook)
       echo "prelaunch: topology changed: the training hook reshards at load time" ;;
     offline)
-      local out="$root.resharded/$(basename "$ckpt")"
+      # one directory per target topology: a reshard made for another job size is never reused
+      local into="$root.resharded/tp${tp}_pp${pp}_dp${dp}"
+      local out="$into/$(basename "$ckpt")"
       if [ ! -e "$out" ]; then
         $CKPTOOL reshard "$ckpt" "$out" --to-tp "$tp" --to-pp "$pp" --to-dp "$dp"
       fi
       $CKPTOOL verify "$out" >/dev/null
-      LOAD_ROOT="$root.resharded" ;;
+      LOAD_ROOT="$into" ;;
     *)
       echo "prelaunch: RESHARD_MODE must be hook or offline, not '$RESHARD_MODE'" >&2; exit 2 ;;
   esac
