@@ -112,3 +112,74 @@ def test_the_console_entry_keeps_output_and_exit_codes(tmp_path, make_ckpt):
     assert r.returncode == 0 and (tmp_path / "out" / "step_000100" / "ckptool.json").exists(), r.stderr
     r = run("verify", "--bogus", good)
     assert r.returncode == 2 and "bogus" in r.stderr, r.stderr
+
+
+def test_same_step_outputs_and_numbered_names_never_outrank_the_training_save(tmp_path, make_ckpt, run_cli):
+    """What users keep in a run root beside the saves: a reshard of step 8 (its manifest says
+    8; its name sorted after the save's, so it was returned), a foreign model whose name holds
+    a number (``llama-13b-base`` was read as step 13). ``latest`` returns the training save."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.conftest import sample_state
+
+    root = tmp_path / "run"
+    make_ckpt(root / "step_00000004", iteration=4)
+    save = make_ckpt(root / "step_00000008", iteration=8)
+    assert run_cli("reshard", save, root / "step_00000008-dp2", "--to-dp", "2").code == 0
+    dcp.save(sample_state(1), checkpoint_id=str(root / "llama-13b-base"))
+    r = run_cli("latest", "--json", root)
+    doc = json.loads(r.out)
+    assert r.code == 0 and doc["path"] == str(save) and doc["iteration"] == 8, r.out
+
+
+def test_no_verify_still_checks_every_file_is_there_and_whole(tmp_path, make_ckpt, run_cli):
+    """``--no-verify`` skips hashing, not the manifest's sizes: a newer save with a file deleted
+    or truncated is skipped with the reason (it was returned)."""
+    from tests.harness.damage import truncate
+
+    root = tmp_path / "run"
+    good = make_ckpt(root / "step_00000004", iteration=4)
+    bad = make_ckpt(root / "step_00000008", iteration=8)
+    truncate(bad / "__0_0.distcp", 100)
+    r = run_cli("latest", "--no-verify", root)
+    assert r.code == 0 and r.out.strip() == str(good) and "bytes, the manifest says" in r.err, r.err
+    (bad / ".metadata").unlink()
+    r = run_cli("latest", "--no-verify", root)
+    assert r.code == 0 and r.out.strip() == str(good) and ".metadata is missing" in r.err, r.err
+
+
+def test_a_temporary_output_named_directly_is_not_committed(tmp_path, make_ckpt, run_cli):
+    """A crash between the manifest's write and the rename leaves ``NAME.tmp-*`` with a whole
+    manifest. Named directly, verify, latest, reshard and the hook's load refuse it (exit 1):
+    verify said "OK, committed"."""
+    from ckptool.core.errors import BadCheckpoint
+    from training.async_checkpointer import load
+
+    tmp = tmp_path / "run" / "step_00000008.tmp-0123abcd"
+    shutil.copytree(make_ckpt(tmp_path / "step_00000008", iteration=8), tmp)
+    r = run_cli("verify", tmp)
+    assert r.code == 1 and "not committed" in r.out, r.out
+    assert run_cli("latest", tmp).code == 1
+    r = run_cli("reshard", tmp, tmp_path / "out", "--to-dp", "2")
+    assert r.code == 1 and "not committed" in r.err and not (tmp_path / "out").exists(), r.err
+    import pytest
+    import torch
+
+    with pytest.raises(BadCheckpoint, match="not committed"):
+        load(str(tmp), {"w": torch.zeros(1)})
+
+
+def test_a_save_that_records_no_step_has_the_step_of_its_name(tmp_path, run_cli):
+    """A plain torch DCP save records no iteration: ``latest`` and the hook's ``load`` give the
+    step of its directory name (``load_latest(state) or 0`` restarted the step count at 0)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from training.async_checkpointer import load
+
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(tmp_path / "run" / "step_00000100"))
+    doc = json.loads(run_cli("latest", "--json", tmp_path / "run").out)
+    assert doc["iteration"] == 100, doc
+    state = {"w": torch.zeros(4)}
+    assert load(str(tmp_path / "run" / "step_00000100"), state) == 100
+    assert torch.equal(state["w"], torch.arange(4.0))

@@ -25,7 +25,12 @@ import torch
 import torch.distributed as dist
 
 from ckptool.checkpoints.latest import latest
-from ckptool.checkpoints.open import candidates, open_checkpoint, require_committed
+from ckptool.checkpoints.open import (
+    candidates,
+    iteration_from_name,
+    open_checkpoint,
+    require_committed,
+)
 from ckptool.core.dcpfile import METADATA
 from ckptool.core.dcpwrite import DcpFileWriter, FileRecord, write_metadata
 from ckptool.core.engine import fill_into
@@ -416,7 +421,8 @@ class _ProcessWriter:
 
 
 def load(path: str, state: dict, rank: int = 0) -> int | None:
-    """Fill ``state`` in place from the checkpoint at ``path``; its step (from the manifest).
+    """Fill ``state`` in place from the checkpoint at ``path``; its step (from the manifest, else the
+    directory name of a training save, else None).
 
     Works for any checkpoint ckptool reads whose global keys match the state's: the
     checkpoint's layout and world size need not be this job's.
@@ -449,4 +455,5 @@ def load(path: str, state: dict, rank: int = 0) -> int | None:
         raise found[0].error()
     for key, (path_, _) in leaves.items():
         set_leaf(state, path_, values[key])
-    return index.iteration
+    # a checkpoint that records no step (a plain torch DCP save) has it in its name, if anywhere
+    return index.iteration if index.iteration is not None else iteration_from_name(opened.store.name)

@@ -8,12 +8,12 @@ restart script can log why it went back.
 from __future__ import annotations
 
 import converters
-from ckptool.checkpoints.open import Candidate, candidates, is_checkpoint
+from ckptool.checkpoints.open import Candidate, candidates, is_checkpoint, iteration_from_name
 from ckptool.checkpoints.reports import LatestResult, Skipped
 from ckptool.checkpoints.verify import verify
 from ckptool.core.errors import CkptoolError, NoCheckpoint
 from ckptool.core.manifest import read_manifest
-from ckptool.core.storage import Store
+from ckptool.core.storage import Store, is_temporary
 
 
 def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
@@ -21,8 +21,8 @@ def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
     store = Store.open(root)
     if not store.exists():
         raise NoCheckpoint("run root does not exist", path=store.url)
-    if is_checkpoint(store):
-        found = [Candidate(store, False, (0, store.name))]  # ROOT is itself a checkpoint
+    if is_checkpoint(store):  # ROOT is itself a checkpoint
+        found = [Candidate(store, is_temporary(store.name), (0, True, store.name))]
     else:
         found = candidates(store)
     skipped: list[Skipped] = []
@@ -55,6 +55,15 @@ def _judge(store: Store, full: bool) -> tuple[str | None, str, int | None]:
             index = converters.reader(fmt).read_index(store)
             if index.written_by_ckptool:
                 return "not committed: ckptool.json is missing", fmt, None
-        return None, fmt, manifest.iteration if manifest else None
+        if manifest is not None and not full:  # no hashing, but every file there, whole
+            sizes = store.files()
+            for entry in manifest.files:
+                size = sizes.get(entry.path)
+                if size != entry.size:
+                    what = "missing" if size is None else f"{size} bytes, the manifest says {entry.size}"
+                    return f"{entry.path} is {what} (sizes checked, not hashes: --no-verify)", fmt, None
+        iteration = manifest.iteration if manifest and manifest.iteration is not None else \
+            iteration_from_name(store.name)
+        return None, fmt, iteration
     except CkptoolError as exc:
         return exc.one_line(), "?", None

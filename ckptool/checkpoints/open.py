@@ -20,9 +20,6 @@ from ckptool.core.storage import Store, is_temporary
 from ckptool.core.topology import Topology
 from ckptool.core.view import ViewReader
 
-_NUMBER = re.compile(r"(\d+)")
-
-
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """A directory under a run root that is, or was meant to be, a checkpoint."""
@@ -30,12 +27,28 @@ class Candidate:
     store: Store
     temporary: bool
     order: tuple
-    """Sort key: (iteration or -1, name)."""
+    """Sort key: (iteration or -1, whether the name is a training save's, name)."""
 
 
-def _iteration_from_name(name: str) -> int:
-    numbers = _NUMBER.findall(name)
-    return int(numbers[-1]) if numbers else -1
+_SAVED_NAME = re.compile(r"^(?:step_?|iter_|global_step|checkpoint[-_]?|ckpt[-_]?)?(\d+)$")
+"""The names trainers give their saves: the hook's ``step_00000100``, Megatron's ``iter_0000100``,
+DeepSpeed's ``global_step100``, the HF Trainer's ``checkpoint-100``, a bare number."""
+
+
+def iteration_from_name(name: str) -> int | None:
+    """The step a training save's directory name says (:data:`_SAVED_NAME`); None for any other
+    name (a model's ``llama-13b-base``, a conversion's ``step_00000100_hf``), whose digits are
+    no step."""
+    m = _SAVED_NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _order(iteration: int | None, name: str) -> tuple:
+    """Newest first: by iteration (the manifest's, else the name's), then a training save's name
+    before anything else made at the same step (a conversion or reshard kept beside it)."""
+    from_name = iteration_from_name(name)
+    return (iteration if iteration is not None else from_name if from_name is not None else -1,
+            from_name is not None, name)
 
 
 def candidates(root: Store) -> list[Candidate]:
@@ -47,7 +60,7 @@ def candidates(root: Store) -> list[Candidate]:
         child = root.child(name)
         if is_temporary(name):
             base = name[:name.rfind(".tmp-")]
-            found.append(Candidate(child, True, (_iteration_from_name(base), base)))
+            found.append(Candidate(child, True, _order(None, base)))
             continue
         try:
             fmt = converters.detect(child)
@@ -55,9 +68,7 @@ def candidates(root: Store) -> list[Candidate]:
             fmt = "?"
         if fmt is None:
             continue
-        iteration = _manifest_iteration(child)
-        found.append(Candidate(child, False, (
-            iteration if iteration is not None else _iteration_from_name(name), name)))
+        found.append(Candidate(child, False, _order(_manifest_iteration(child), name)))
     return sorted(found, key=lambda c: c.order, reverse=True)
 
 
@@ -145,7 +156,13 @@ def require_safe_pickles(opened: Opened) -> None:
 def require_committed(opened: Opened) -> None:
     """Refuse (exit 1) a checkpoint that ckptool wrote and never committed: without its
     manifest, written last, its writer may have stopped anywhere, so what it holds may be
-    partial. A foreign checkpoint (no ckptool mark) has no manifest to miss."""
+    partial; a ``NAME.tmp-*`` directory, even with a manifest, was never renamed into place.
+    A foreign checkpoint (no ckptool mark) has no manifest to miss."""
+    if is_temporary(opened.store.name):
+        raise BadCheckpoint("not committed: a temporary output of a write that never finished "
+                            "(NAME.tmp-*)", path=opened.store.url,
+                            hint="Use the committed NAME (ckptool latest ROOT names the newest); "
+                                 "nothing was written")
     if opened.manifest is None and opened.index.written_by_ckptool:
         raise BadCheckpoint(f"not committed: {MANIFEST} is missing, so its writer never finished "
                             "and the checkpoint may be partial", path=opened.store.url,

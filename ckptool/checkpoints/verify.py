@@ -88,6 +88,9 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
                             sealed=False, deep=deep, files_checked=0, bytes_hashed=0, tensors=0,
                             pieces_read=0, problems=check.problems)
     check = _Check(store)
+    if is_temporary(store.name):  # named directly: a crash left it before its rename
+        check.add("uncommitted", "not committed: a temporary output of a write that never finished "
+                  "(NAME.tmp-*); the committed checkpoint is NAME")
     actual = store.files()
     for rel, why in sorted(store.refused().items()):
         check.add("unsafe-path", f"{why}: nothing reads it", rel)
@@ -140,6 +143,8 @@ def verify(url: str, *, deep: bool = False, seal: bool = False, strict: bool = F
             raise exc
         check.add_error(exc, "pickle" if isinstance(exc, UnsafePickle) else "metadata")
     committed: bool | None = True if manifest is not None else None
+    if is_temporary(store.name):
+        committed = False
     if index is not None:
         if manifest is None and index.written_by_ckptool:
             committed = False
