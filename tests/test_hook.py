@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -141,6 +142,39 @@ def test_keep_last_never_deletes_what_the_hook_did_not_write(tmp_path, run_cli):
         ckpt.wait()
     assert sorted(p.name for p in root.iterdir()) == ["old-dp3", "step_00000003", "step_00000004",
                                                       "step_1_dp2"]
+
+
+def test_a_rollback_resumes_and_retains_the_new_trajectory(tmp_path, run_cli):
+    """After a loss spike the run goes back to step 30 and saves 35 and 45. The saves of the
+    trajectory it gave up (40, 50) are skipped by ``latest`` and ``load_latest`` (they resumed
+    step 50) and neither counted nor deleted by ``keep_last`` (which deleted 30 and 35)."""
+    from training import AsyncCheckpointer
+
+    root = tmp_path / "run"
+    ckpt = AsyncCheckpointer(str(root), keep_last=3)
+    for step in (10, 20, 30, 40, 50):
+        ckpt.save(step, {"w": torch.ones(4) * step})
+        ckpt.wait()
+    state = {"w": torch.zeros(4)}
+    assert ckpt.load_latest(state) == 50
+    from training.async_checkpointer import load
+
+    assert load(str(root / "step_00000030"), state) == 30  # the rollback
+    for step in (35, 45):
+        ckpt.save(step, {"w": torch.ones(4) * step})
+        ckpt.wait()
+    assert sorted(p.name for p in root.iterdir()) == [
+        "step_00000030", "step_00000035", "step_00000040", "step_00000045", "step_00000050"]
+    state = {"w": torch.zeros(4)}
+    assert ckpt.load_latest(state) == 45 and torch.equal(state["w"], torch.ones(4) * 45)
+    r = run_cli("latest", root)
+    assert r.out.strip() == str(root / "step_00000045"), r.out + r.err
+    assert "step_00000050: abandoned" in r.err and "step_00000040: abandoned" not in r.err  # 45 came first
+    shutil.rmtree(root / "step_00000045")  # the new trajectory's newest lost: its previous, not 40
+    assert run_cli("latest", root).out.strip() == str(root / "step_00000035")
+    ckpt.save(55, {"w": torch.ones(4) * 55})  # and on: the new trajectory outgrows the old one
+    ckpt.wait()
+    assert run_cli("latest", root).out.strip() == str(root / "step_00000055")
 
 
 def test_megatron_scheduler_of_a_hook_checkpoint_is_one_entry_for_the_megatron_writers(tmp_path):

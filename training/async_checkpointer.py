@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ckptool.checkpoints.latest import latest
 from ckptool.checkpoints.open import (
+    abandoned,
     candidates,
     iteration_from_name,
     open_checkpoint,
@@ -285,7 +286,7 @@ class AsyncCheckpointer:
             manifest = Manifest(format="dcp", files=sorted(files, key=lambda f: f.path),
                                 format_version="1.0.0", iteration=step, topology=self.topology,
                                 model_config=self.model_config,
-                                true_vocab_size=self.true_vocab_size)
+                                true_vocab_size=self.true_vocab_size, extra={"writer": "hook"})
             write_manifest(tmp, manifest)
             final = self.root.child(STEP_DIR.format(step))
             if tmp.is_local:
@@ -315,11 +316,15 @@ class AsyncCheckpointer:
 
     def _retain(self, newest: Store) -> None:
         """Delete the hook's committed checkpoints older than its ``keep_last`` newest; never
-        others (temporary ones, anything else in the root, such as a user's offline outputs)."""
+        others (temporary ones, anything else in the root, such as a user's offline outputs),
+        nor the saves of a trajectory the run went back from (:func:`abandoned`: kept for the
+        user, skipped by ``latest``)."""
         if not self.keep_last:
             return
 
-        committed = [c for c in candidates(self.root) if not c.temporary
+        found = candidates(self.root)
+        left = abandoned(found)  # another trajectory's: kept, not counted
+        committed = [c for c in found if not c.temporary and c.store.url not in left
                      and _STEP.match(c.store.name) and c.store.exists("ckptool.json")]
         for cand in committed[self.keep_last:]:
             if cand.store.url != newest.url and not is_temporary(cand.store.name):

@@ -8,7 +8,13 @@ restart script can log why it went back.
 from __future__ import annotations
 
 import converters
-from ckptool.checkpoints.open import Candidate, candidates, is_checkpoint, iteration_from_name
+from ckptool.checkpoints.open import (
+    Candidate,
+    abandoned,
+    candidates,
+    is_checkpoint,
+    iteration_from_name,
+)
 from ckptool.checkpoints.reports import LatestResult, Skipped
 from ckptool.checkpoints.verify import verify
 from ckptool.core.errors import CkptoolError, NoCheckpoint
@@ -26,10 +32,16 @@ def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
     else:
         found = candidates(store)
     skipped: list[Skipped] = []
+    left = abandoned(found)
     for cand in found:
         if cand.temporary:
             skipped.append(Skipped(cand.store.url, "not committed: temporary output of an "
                                    "unfinished write"))
+            continue
+        if cand.store.url in left:
+            later = left[cand.store.url]
+            skipped.append(Skipped(cand.store.url, f"abandoned: the run went back to an earlier step "
+                                   f"and saved {later.store.name} after it"))
             continue
         reason, fmt, iteration = _judge(cand.store, verify_checkpoints)
         if reason is None:

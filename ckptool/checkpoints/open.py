@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import converters
 from ckptool.core.errors import BadCheckpoint, CkptoolError, UnknownFormat
@@ -28,6 +29,9 @@ class Candidate:
     temporary: bool
     order: tuple
     """Sort key: (iteration or -1, whether the name is a training save's, name)."""
+    hook_commit: Any = None
+    """When the training hook committed it (its manifest says), for :func:`abandoned`; None for
+    anything else."""
 
 
 _SAVED_NAME = re.compile(r"^(?:step_?|iter_|global_step|checkpoint[-_]?|ckpt[-_]?)?(\d+)$")
@@ -68,8 +72,35 @@ def candidates(root: Store) -> list[Candidate]:
             fmt = "?"
         if fmt is None:
             continue
-        found.append(Candidate(child, False, _order(_manifest_iteration(child), name)))
+        manifest = _manifest(child)
+        iteration = manifest.iteration if manifest else None
+        hook_commit = manifest.created() if manifest and manifest.extra.get("writer") == "hook" \
+            and iteration is not None else None
+        found.append(Candidate(child, False, _order(iteration, name), hook_commit))
     return sorted(found, key=lambda c: c.order, reverse=True)
+
+
+def abandoned(found: list[Candidate]) -> dict[str, Candidate]:
+    """The training hook's saves a run went back from: save X is abandoned when a save of a
+    lower step was committed after it (the run resumed from an earlier step, after a loss
+    spike, and saved again). Maps each one's url to that later save. Megatron's tracker has
+    the same effect (the run's last save is what it names); without one, the newest step would
+    resume the trajectory that was given up."""
+    saves = sorted((c for c in found if c.hook_commit is not None and not c.temporary),
+                   key=lambda c: c.order[0])
+    out, latest_below = {}, None  # the save of a lower step committed last
+    i = 0
+    while i < len(saves):
+        j = i
+        while j < len(saves) and saves[j].order[0] == saves[i].order[0]:
+            if latest_below is not None and saves[j].hook_commit < latest_below.hook_commit:
+                out[saves[j].store.url] = latest_below
+            j += 1
+        for c in saves[i:j]:
+            if latest_below is None or c.hook_commit > latest_below.hook_commit:
+                latest_below = c
+        i = j
+    return out
 
 
 def is_checkpoint(store: Store) -> bool:
@@ -83,12 +114,11 @@ def is_checkpoint(store: Store) -> bool:
     return converters.detect(store) is not None
 
 
-def _manifest_iteration(store: Store) -> int | None:
+def _manifest(store: Store) -> Manifest | None:
     try:
-        manifest = read_manifest(store)
-    except Exception:
+        return read_manifest(store)
+    except Exception:  # a broken manifest: the candidate is judged (and skipped) later
         return None
-    return manifest.iteration if manifest else None
 
 
 def resolve(url: str) -> Store:

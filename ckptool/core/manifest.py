@@ -70,9 +70,10 @@ class Manifest:
     sealed: bool = False
     """True when `verify --seal` wrote it for a checkpoint ckptool did not write."""
     creator: str = field(default_factory=_creator)
-    created_utc: str = field(
-        default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    created_utc: str = field(  # to the microsecond: saves a second apart are told apart in order
+        default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
     extra: dict = field(default_factory=dict)
+    """Anything else a writer records; the training hook: ``{"writer": "hook"}``."""
 
     def to_json(self) -> str:
         data = {"ckptool_manifest": MANIFEST_VERSION, "hash": HASH, **asdict(self)}
@@ -102,6 +103,16 @@ class Manifest:
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise BadCheckpoint(f"manifest is not valid: {exc}", path=source,
                                 hint="The checkpoint was not committed by a known ckptool") from None
+
+    def created(self) -> "_dt.datetime | None":
+        """When it was written (``created_utc``, to the second or the microsecond); None if that
+        does not parse."""
+        for form in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
+            try:
+                return _dt.datetime.strptime(self.created_utc, form)
+            except ValueError:
+                continue
+        return None
 
     def file_map(self) -> dict[str, FileEntry]:
         return {f.path: f for f in self.files}
