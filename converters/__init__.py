@@ -107,6 +107,15 @@ def reshardable_formats() -> tuple[str, ...]:
     return tuple(name for name in WRITERS if reshardable(name))
 
 
+def root_trackers() -> tuple[str, ...]:
+    """Files by which a run root is itself one checkpoint (its tracker names the step to load):
+    Megatron's ``latest_checkpointed_iteration.txt``, DeepSpeed's ``latest``."""
+    from converters.deepspeed.engine import LATEST
+    from converters.schemas.megatron import TRACKER
+
+    return TRACKER, LATEST
+
+
 def detect(store: Store) -> str | None:
     """The format of the checkpoint at ``store``, or None.
 

@@ -183,3 +183,17 @@ def test_a_save_that_records_no_step_has_the_step_of_its_name(tmp_path, run_cli)
     state = {"w": torch.zeros(4)}
     assert load(str(tmp_path / "run" / "step_00000100"), state) == 100
     assert torch.equal(state["w"], torch.arange(4.0))
+
+
+def test_a_megatron_root_stays_one_checkpoint_beside_a_committed_export(tmp_path, make_ckpt, run_cli):
+    """A Megatron run root (its tracker names the iteration Megatron's --load takes) with a
+    ckptool output kept in it: ``latest`` still returns the root. It returned the export, or
+    ``ROOT/iter_*``, from which Megatron's --load finds no tracker and starts from random."""
+    from tests.harness import mcore as H
+
+    root = tmp_path / "mg"
+    H.save_real(H.GPT, 1, root)
+    assert run_cli("latest", root).out.strip() == str(root)
+    make_ckpt(root / "export-12", iteration=12)
+    r = run_cli("latest", root)
+    assert r.code == 0 and r.out.strip() == str(root), r.out + r.err

@@ -107,10 +107,10 @@ def is_checkpoint(store: Store) -> bool:
     """Whether ``store`` is itself a checkpoint (not a run root of them). A run root whose
     checkpoints are committed (a manifest in each, the hook's ``step_*``) is one without
     asking every format's reader, so ``latest`` and ``verify`` of it import no torch."""
-    if not store.exists(MANIFEST) and any(
-            is_dir and not is_temporary(name) and store.child(name).exists(MANIFEST)
-            for name, is_dir in store.ls()):
-        return False
+    if not store.exists(MANIFEST) and not any(store.exists(t) for t in converters.root_trackers()) \
+            and any(is_dir and not is_temporary(name) and store.child(name).exists(MANIFEST)
+                    for name, is_dir in store.ls()):
+        return False  # (a Megatron or DeepSpeed root, its tracker naming the step, is one checkpoint)
     return converters.detect(store) is not None
 
 
