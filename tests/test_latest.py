@@ -197,3 +197,18 @@ def test_a_megatron_root_stays_one_checkpoint_beside_a_committed_export(tmp_path
     make_ckpt(root / "export-12", iteration=12)
     r = run_cli("latest", root)
     assert r.code == 0 and r.out.strip() == str(root), r.out + r.err
+
+
+def test_a_megatron_root_whose_tracked_iteration_is_bad_names_an_older_good_one(tmp_path, run_cli):
+    """``latest`` prints a Megatron root (what --load takes), so when the iteration its tracker
+    names is damaged it exits 1; the error now names the older iteration that passes and what to
+    do (it said only "no valid checkpoint found")."""
+    from tests.harness import mcore as H
+    from tests.harness.damage import truncate
+
+    root = tmp_path / "mg"
+    H.save_real(H.GPT, 1, root)
+    shutil.copytree(root / "iter_0000010", root / "iter_0000005")
+    truncate(root / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt", 1000)
+    r = run_cli("latest", root)
+    assert r.code == 1 and "iter_0000005 passes" in r.err and "latest_checkpointed_iteration.txt" in r.err, r.err

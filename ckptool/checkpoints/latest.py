@@ -47,11 +47,28 @@ def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
         if reason is None:
             return LatestResult(cand.store.url, fmt, iteration, verify_checkpoints, skipped)
         skipped.append(Skipped(cand.store.url, reason))
-    error = NoCheckpoint("no valid checkpoint found", path=store.url,
-                         hint=f"{len(skipped)} candidate(s) skipped, see above" if skipped else
-                         "The directory holds no checkpoint")
+    hint = f"{len(skipped)} candidate(s) skipped, see above" if skipped else \
+        "The directory holds no checkpoint"
+    if len(found) == 1 and found[0].store is store:
+        hint = _older_tracked(store, verify_checkpoints) or hint
+    error = NoCheckpoint("no valid checkpoint found", path=store.url, hint=hint)
     error.skipped = skipped
     raise error
+
+
+def _older_tracked(store: Store, full: bool) -> str | None:
+    """For a run root whose tracker (Megatron's, DeepSpeed's) names a bad checkpoint: the newest
+    older one of its own that passes, as what to do (``latest`` prints the root, which is what
+    Megatron's and DeepSpeed's --load take, so it cannot print that one instead)."""
+    tracker = next((t for t in converters.root_trackers() if store.exists(t)), None)
+    if tracker is None:
+        return None
+    for cand in candidates(store):
+        if not cand.temporary and iteration_from_name(cand.store.name) is not None and \
+                _judge(cand.store, full)[0] is None:
+            return (f"The checkpoint its {tracker} names is bad; {cand.store.name} passes: make "
+                    f"{tracker} name it to resume from there")
+    return None
 
 
 def _judge(store: Store, full: bool) -> tuple[str | None, str, int | None]:
