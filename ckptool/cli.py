@@ -552,7 +552,8 @@ def _total_bytes(url: str) -> int | None:
         return None
 
 
-def _fail(line: str | None, code: int, argv: list[str], message: str | None = None) -> None:
+def _fail(line: str | None, code: int, argv: list[str], message: str | None = None,
+          skipped: list | None = None) -> None:
     """End a failed command: its one line on stderr (``ckptool: LINE``; None: already shown)
     and the exit code; with ``--json``, also one JSON document on stdout, so a script that
     parses stdout gets ``{"ok": false, "error": ..., "exit_code": ...}`` rather than nothing."""
@@ -560,7 +561,10 @@ def _fail(line: str | None, code: int, argv: list[str], message: str | None = No
         click.echo(f"ckptool: {line}", err=True)
     if "--json" in argv:
         text = message if message is not None else line.removeprefix("error: ")
-        click.echo(json.dumps({"ok": False, "error": text, "exit_code": code}))
+        doc = {"ok": False, "error": text, "exit_code": code}
+        if skipped is not None:  # latest: the candidates it went past, and why
+            doc["skipped"] = [_plain(s) for s in skipped]
+        click.echo(json.dumps(doc))
     sys.exit(code)
 
 
@@ -578,7 +582,7 @@ def main(argv: list[str] | None = None) -> None:
     except CkptoolError as exc:
         if os.environ.get("CKPTOOL_DEBUG"):
             raise
-        _fail(f"error: {exc.one_line()}", exc.exit_code, argv)
+        _fail(f"error: {exc.one_line()}", exc.exit_code, argv, skipped=getattr(exc, "skipped", None))
     except OSError as exc:
         if os.environ.get("CKPTOOL_DEBUG"):
             raise

@@ -212,3 +212,33 @@ def test_a_megatron_root_whose_tracked_iteration_is_bad_names_an_older_good_one(
     truncate(root / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt", 1000)
     r = run_cli("latest", root)
     assert r.code == 1 and "iter_0000005 passes" in r.err and "latest_checkpointed_iteration.txt" in r.err, r.err
+
+
+def test_what_latest_passes_by_is_listed_and_a_file_is_a_usage_error(tmp_path, make_ckpt, run_cli):
+    """A save named like one that no format reads (emptied, half copied) is listed among the
+    skipped with why (it was passed by in silence), also in the --json document of a failure
+    (which had no list: with -q nothing said why); a file given as ROOT or CKPT is exit 2 (it
+    was "no checkpoint", exit 1, and "found an empty directory")."""
+    root = tmp_path / "run"
+    good = make_ckpt(root / "step_00000004", iteration=4)
+    (root / "step_00000020").mkdir()
+    (root / "step_00000020" / "__0_0.distcp").write_bytes(b"x" * 10)
+    r = run_cli("latest", root)
+    assert r.code == 0 and r.out.strip() == str(good) and "step_00000020: not a checkpoint" in r.err, r.err
+    shutil.rmtree(good)
+    r = run_cli("latest", "--json", "-q", root)
+    doc = json.loads(r.out)
+    assert r.code == 1 and [s["path"] for s in doc["skipped"]] == [str(root / "step_00000020")], r.out
+    f = root / "step_00000020" / "__0_0.distcp"
+    for cmd in ("latest", "verify", "inspect"):
+        r = run_cli(cmd, f)
+        assert r.code == 2 and "is a file" in r.err, (cmd, r.err)
+
+
+def test_a_manifest_with_another_hash_says_so(tmp_path, make_ckpt, run_cli):
+    ck = make_ckpt(tmp_path / "step_00000004", iteration=4)
+    doc = json.loads((ck / "ckptool.json").read_text())
+    doc["hash"] = "sha256"
+    (ck / "ckptool.json").write_text(json.dumps(doc))
+    r = run_cli("verify", ck)
+    assert r.code == 1 and "unknown hash 'sha256'" in r.out, r.out

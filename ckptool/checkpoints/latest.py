@@ -17,7 +17,7 @@ from ckptool.checkpoints.open import (
 )
 from ckptool.checkpoints.reports import LatestResult, Skipped
 from ckptool.checkpoints.verify import verify
-from ckptool.core.errors import CkptoolError, NoCheckpoint
+from ckptool.core.errors import CkptoolError, NoCheckpoint, UsageError
 from ckptool.core.manifest import read_manifest
 from ckptool.core.storage import Store, is_temporary
 
@@ -27,6 +27,8 @@ def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
     store = Store.open(root)
     if not store.exists():
         raise NoCheckpoint("run root does not exist", path=store.url)
+    if not store.isdir():
+        raise UsageError("is a file, not a run root or a checkpoint directory", path=store.url)
     if is_checkpoint(store):  # ROOT is itself a checkpoint
         found = [Candidate(store, is_temporary(store.name), (0, True, store.name))]
     else:

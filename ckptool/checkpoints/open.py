@@ -32,6 +32,9 @@ class Candidate:
     hook_commit: Any = None
     """When the training hook committed it (its manifest says), for :func:`abandoned`; None for
     anything else."""
+    known: bool = True
+    """False for a directory named like a training save that no format detects (an emptied or
+    half-copied save): ``latest`` lists it as skipped, with why, rather than passing it by."""
 
 
 _SAVED_NAME = re.compile(r"^(?:step_?|iter_|global_step|checkpoint[-_]?|ckpt[-_]?)?(\d+)$")
@@ -71,6 +74,8 @@ def candidates(root: Store) -> list[Candidate]:
         except Exception:  # a child with a broken manifest is still a (bad) candidate
             fmt = "?"
         if fmt is None:
+            if iteration_from_name(name) is not None:
+                found.append(Candidate(child, False, _order(None, name), known=False))
             continue
         manifest = _manifest(child)
         iteration = manifest.iteration if manifest else None
@@ -126,9 +131,12 @@ def resolve(url: str) -> Store:
     store = Store.open(url)
     if not store.exists():
         raise UnknownFormat("no such file or directory", path=store.url)
+    if not store.isdir():
+        raise UnknownFormat("is a file, not a checkpoint directory", path=store.url,
+                            hint="Give the checkpoint's directory, or a run root of them")
     if is_checkpoint(store):
         return store
-    found = [c for c in candidates(store) if not c.temporary]
+    found = [c for c in candidates(store) if not c.temporary and c.known]
     if not found:
         converters.require_format(store)  # raises with what was found
     return found[0].store

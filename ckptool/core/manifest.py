@@ -83,8 +83,10 @@ class Manifest:
     def from_json(cls, text: str | bytes, source: str) -> "Manifest":
         try:
             data = json.loads(text)
-            if data.get("ckptool_manifest") != MANIFEST_VERSION or data.get("hash") != HASH:
-                raise ValueError(f"unknown manifest version {data.get('ckptool_manifest')!r}")
+            if data.get("ckptool_manifest") != MANIFEST_VERSION:
+                raise ValueError(f"unknown manifest version {str(data.get('ckptool_manifest'))[:20]!r}")
+            if data.get("hash") != HASH:
+                raise ValueError(f"unknown hash {str(data.get('hash'))[:20]!r} (ckptool writes {HASH})")
             files = [_entry(f) for f in data["files"]]
             if len({f.path for f in files}) != len(files):
                 raise ValueError("a file is listed twice")
