@@ -363,7 +363,7 @@ MATH_ARGS = [("window_size", (4, 2)), ("window_attn_skip_freq", 2), ("rotary_per
              ("apply_layernorm_1p", True),
              ("apply_residual_connection_post_layernorm", True),
              ("multi_latent_attention", True), ("rotary_interleaved", True), ("squared_relu", True),
-             ("position_embedding_type", "none")]
+             ("position_embedding_type", "none"), ("hybrid_layer_pattern", "M*M*")]
 
 
 @pytest.mark.parametrize("name,value", MATH_ARGS)

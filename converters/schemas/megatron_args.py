@@ -386,6 +386,7 @@ MATH_ARGS = {
     "heterogeneous_layers_config_path": ("null", lambda v, a: v is None),
     "heterogeneous_layers_config_encoded_json": ("null", lambda v, a: v is None),
     "hybrid_override_pattern": ("null", lambda v, a: v is None),
+    "hybrid_layer_pattern": ("null", lambda v, a: v is None),  # the newer Megatron-LM's name
     "is_hybrid_model": ("false", _off),
     "retro_add_retriever": ("false", _off),
 }
