@@ -791,3 +791,33 @@ def test_a_memo_bomb_in_a_pickle_too_large_to_walk_is_not_allocated(tmp_path):
         proc.returncode = code = os.waitstatus_to_exitcode(status)
     assert code == 1 and "DCP metadata cannot be parsed (MemoryError" in err, (code, err)
     assert usage.ru_maxrss * 1024 < 2 << 30, f"peak {usage.ru_maxrss / 2**20:.1f} GiB"
+
+
+def test_the_parse_cap_is_set_only_where_no_other_thread_works():
+    """The address-space cap is for the whole process: set while a large pickle parses with no
+    other (non-daemon) thread running, as when a command reads a checkpoint's index; not while a
+    rewrite's workers may be filling buffers, which it would make fail. Restored after."""
+    import threading
+
+    from ckptool.core import safe_pickle
+
+    data = b"x" * (safe_pickle.CHECKED_PICKLE + 1)
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    safe_pickle.bound_unwalked_pickles(True)
+    try:
+        with safe_pickle.parsing(data, "test"):
+            capped = resource.getrlimit(resource.RLIMIT_AS)
+        release = threading.Event()
+        worker = threading.Thread(target=release.wait)
+        worker.start()
+        try:
+            with safe_pickle.parsing(data, "test"):
+                beside_a_worker = resource.getrlimit(resource.RLIMIT_AS)
+        finally:
+            release.set()
+            worker.join()
+    finally:
+        safe_pickle.bound_unwalked_pickles(False)
+    assert capped[0] != resource.RLIM_INFINITY and capped[0] < (before[0] if before[0] != resource.RLIM_INFINITY
+                                                                else 1 << 62)
+    assert beside_a_worker == before and resource.getrlimit(resource.RLIMIT_AS) == before

@@ -592,18 +592,28 @@ def parsing(data: bytes, source: str):
     """Around CPython's unpickler running ``data``: a pickle up to :data:`CHECKED_PICKLE` is
     walked first (:func:`check_opcodes`); a larger one runs under an address-space cap of what
     the process maps now plus :data:`PARSE_ROOM_PER_BYTE` per byte, where the command line set
-    one (:func:`bound_unwalked_pickles`), so that a memo index or a length it claims fails as a
-    MemoryError (which the callers report as damage) instead of being allocated: ``LONG_BINPUT
-    2**28`` makes the unpickler zero-fill a 4 GB memo. Large pickles parse one at a time."""
+    one (:func:`bound_unwalked_pickles`) and no other thread works (:func:`_working_threads`),
+    so that a memo index or a length it claims fails as a MemoryError (which the callers report
+    as damage) instead of being allocated: ``LONG_BINPUT 2**28`` makes the unpickler zero-fill
+    a 4 GB memo. Large pickles parse one at a time."""
     if len(data) <= CHECKED_PICKLE:
         check_opcodes(data, source)
         yield
         return
-    if not _BOUNDED[0]:
+    if not _BOUNDED[0] or _working_threads():
         yield
         return
     with _BOUND_LOCK, _address_space(max(PARSE_ROOM_MIN, PARSE_ROOM_PER_BYTE * len(data))):
         yield
+
+
+def _working_threads() -> bool:
+    """Whether threads other than this one may allocate meanwhile (a rewrite's workers filling
+    buffers): the cap is for the whole process, so it is set only where none runs (reading a
+    checkpoint's index, before any pool starts); daemon helpers (progress, fsspec's loop) do
+    not count."""
+    me = threading.current_thread()
+    return any(t is not me and not t.daemon and t.is_alive() for t in threading.enumerate())
 
 
 @contextlib.contextmanager
