@@ -619,11 +619,12 @@ def run() -> None:
     if code is not None and not isinstance(code, int):  # sys.exit("text"): Python's own rule
         print(code, file=sys.stderr)
         code = 1
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (OSError, ValueError):  # stdout closed or a broken pipe: as Python ends, exit 120
-        code = code or 120
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:  # None: started with the descriptor closed
+                stream.flush()
+        except (OSError, ValueError):  # closed, or a broken pipe: as Python ends, exit 120
+            code = code or 120
     os._exit(code or 0)
 
 

@@ -242,3 +242,50 @@ def test_a_manifest_with_another_hash_says_so(tmp_path, make_ckpt, run_cli):
     (ck / "ckptool.json").write_text(json.dumps(doc))
     r = run_cli("verify", ck)
     assert r.code == 1 and "unknown hash 'sha256'" in r.out, r.out
+
+
+def test_torchtitan_step_names_order_by_their_step(tmp_path, run_cli):
+    """torchtitan saves ``step-500``, ``step-1000``: ordered by step (``step-900`` was taken as
+    the newest once only ``step_N`` names counted)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    for step in (500, 900, 1000):
+        dcp.save({"w": torch.ones(2) * step}, checkpoint_id=str(tmp_path / "tt" / f"step-{step}"))
+    doc = json.loads(run_cli("latest", "--json", tmp_path / "tt").out)
+    assert doc["path"] == str(tmp_path / "tt" / "step-1000") and doc["iteration"] == 1000, doc
+
+
+def test_a_run_root_given_to_verify_or_inspect_skips_abandoned_saves(tmp_path, run_cli):
+    """``verify ROOT`` and ``inspect ROOT`` check the checkpoint ``latest ROOT`` names: after a
+    rollback, not the newest step of the given-up trajectory (they took step 50)."""
+    import torch
+
+    from training import AsyncCheckpointer
+    from training.async_checkpointer import load
+
+    root = tmp_path / "run"
+    ckpt = AsyncCheckpointer(str(root), keep_last=None)
+    for step in (30, 40, 50):
+        ckpt.save(step, {"w": torch.ones(2) * step})
+        ckpt.wait()
+    load(str(root / "step_00000030"), {"w": torch.zeros(2)})
+    ckpt.save(35, {"w": torch.ones(2) * 35})
+    ckpt.wait()
+    assert json.loads(run_cli("inspect", "--json", root).out)["iteration"] == 35
+    assert str(root / "step_00000035") in run_cli("verify", root).out
+
+
+def test_closed_stdout_is_no_traceback(tmp_path, make_ckpt):
+    """``ckptool latest ROOT >&-`` (stdout closed: Python's sys.stdout is None) ends without a
+    traceback, as it did before the console entry's quick exit."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    make_ckpt(tmp_path / "run" / "step_00000004", iteration=4)
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run(f"{sys.executable} -m ckptool latest {tmp_path / 'run'} >&-", shell=True, cwd=repo,
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(repo)}, timeout=120)
+    assert "Traceback" not in r.stderr and r.returncode in (0, 120), (r.returncode, r.stderr)

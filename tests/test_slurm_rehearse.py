@@ -98,3 +98,29 @@ def test_prelaunch_offline_reshards_once_per_target_topology(tmp_path, make_ckpt
         assert proc.returncode == 0, proc.stdout + proc.stderr
         load_root = proc.stdout.split("LOAD_ROOT=")[-1].strip()
         assert inspect(str(Path(load_root) / "step_00000008")).topology["dp"] == dp
+
+
+def test_prelaunch_offline_loads_a_megatron_root_as_the_root_its_reshard_is(tmp_path):
+    """``latest`` prints a Megatron root itself (its tracker names the iteration): offline mode
+    must load the resharded root, whose tracker Megatron's --load reads (LOAD_ROOT was the
+    directory above it, with no tracker: Megatron would have started from random)."""
+    from tests.harness import mcore as H
+
+    run = tmp_path / "gpt"
+    H.save_real(H.GPT, 1, run)
+    proc = _prelaunch(run, 2, 1, 1, "offline")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    load_root = Path(proc.stdout.split("LOAD_ROOT=")[-1].strip())
+    assert (load_root / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+
+
+def test_prelaunch_under_pipefail_with_many_saves(tmp_path):
+    """train.sbatch runs with ``set -euo pipefail``: with hundreds of saves, ``find | head -1``
+    died of SIGPIPE and took the script with it (exit 141, no message)."""
+    run = tmp_path / "run"
+    for i in range(1, 400):
+        (run / f"step_{i:08d}").mkdir(parents=True)  # saved, none valid: exit 3, said why
+    script = (f"set -euo pipefail; source {ROOT}/examples/slurm/prelaunch.sh; prelaunch {run} 1 1 1")
+    env = dict(os.environ, CKPTOOL=f"{sys.executable} -m ckptool", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 3 and "none is valid" in proc.stderr, (proc.returncode, proc.stderr[-500:])

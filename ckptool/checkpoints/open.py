@@ -37,9 +37,10 @@ class Candidate:
     half-copied save): ``latest`` lists it as skipped, with why, rather than passing it by."""
 
 
-_SAVED_NAME = re.compile(r"^(?:step_?|iter_|global_step|checkpoint[-_]?|ckpt[-_]?)?(\d+)$")
+_SAVED_NAME = re.compile(r"^(?:(?:step|iter|iteration|global_step|checkpoint|ckpt)[-_=]?)?(\d+)$")
 """The names trainers give their saves: the hook's ``step_00000100``, Megatron's ``iter_0000100``,
-DeepSpeed's ``global_step100``, the HF Trainer's ``checkpoint-100``, a bare number."""
+DeepSpeed's ``global_step100``, the HF Trainer's ``checkpoint-100``, torchtitan's ``step-100``,
+a bare number."""
 
 
 def iteration_from_name(name: str) -> int | None:
@@ -136,7 +137,9 @@ def resolve(url: str) -> Store:
                             hint="Give the checkpoint's directory, or a run root of them")
     if is_checkpoint(store):
         return store
-    found = [c for c in candidates(store) if not c.temporary and c.known]
+    found = candidates(store)
+    left = abandoned(found)
+    found = [c for c in found if not c.temporary and c.known and c.store.url not in left]
     if not found:
         converters.require_format(store)  # raises with what was found
     return found[0].store
