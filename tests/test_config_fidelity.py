@@ -529,17 +529,39 @@ def test_megatron_deepspeed_args_rope_theta_and_dense_num_experts():
 
 @pytest.mark.parametrize("over", [dict(rotary_base=500000), dict(use_rope_scaling=True),
                                   dict(window_size=(3, 0))])
-def test_args_the_legacy_model_ignores_are_refused_for_legacy_checkpoints(over):
+def test_args_the_legacy_model_ignores_are_named(over):
     """Megatron-LM's legacy model applies no RoPE base, scaling or window: args of a legacy
-    checkpoint that set one disagree with what ran, so the read is refused (ckptool carried the
-    args' value: wrong logits); Megatron-Core and Megatron-DeepSpeed (rope_theta) apply them."""
-    from ckptool.core.errors import UnsupportedFormat
-    from converters.schemas.megatron_args import spec_from_args
+    checkpoint that set one disagree with what ran (ckptool carried the args' value: wrong
+    logits); Megatron-DeepSpeed's args (rope_theta, which its model applies) do not."""
+    from converters.schemas.megatron_args import ignored_by_legacy
 
-    args = _args(H.LLAMA, **over)
-    with pytest.raises(UnsupportedFormat, match=next(iter(over))):
-        spec_from_args(args, model="legacy")
-    spec_from_args(args, model="mcore")
+    assert next(iter(over)) in ignored_by_legacy(_args(H.LLAMA, **over))
+    assert ignored_by_legacy(_args(H.LLAMA, rope_theta=10000, **over)) is None
+    assert ignored_by_legacy(_args(H.LLAMA)) is None
+
+
+def test_a_legacy_checkpoint_whose_args_the_model_ignored_reshards_but_never_converts(tmp_path, run_cli):
+    """A legacy-named Megatron-LM checkpoint whose args say --rotary-base 500000 (which its
+    model never applied): latest, verify and inspect read it (inspect warns), a reshard that
+    keeps its format and names keeps it as it is, and a conversion is refused (it would
+    compute base 500000, not the 10000 that ran)."""
+    src = save_hf(tmp_path / "hf", num_key_value_heads=4)  # legacy names hold no GQA
+    mg = tmp_path / "run"
+    assert run_cli("convert", src, mg, "--to", "megatron", "--megatron-names", "legacy").code == 0
+    for rank in mg.glob("iter_*/mp_rank_*/model_optim_rng.pt"):  # as Megatron-LM saved it
+        rewrite_args(rank, rotary_base=500000.0)
+        state = torch.load(rank, weights_only=False)
+        del state["ckptool"]
+        torch.save(state, rank)
+    (mg / "ckptool.json").unlink()
+    assert run_cli("latest", mg).code == 0 and run_cli("verify", mg).code == 0
+    r = run_cli("inspect", mg)
+    assert r.code == 0 and "rotary_base=500000.0" in r.err, r.err
+    assert run_cli("reshard", mg, tmp_path / "tp2", "--to-tp", "2").code == 0
+    for argv in (["convert", mg, tmp_path / "out", "--to", "hf"],
+                 ["convert", mg, tmp_path / "out", "--to", "megatron", "--megatron-names", "mcore-local"]):
+        r = run_cli(*argv)
+        assert r.code == 2 and "cannot be converted faithfully" in r.err and not (tmp_path / "out").exists(), r.err
 
 
 def test_legacy_names_are_not_written_for_a_rope_base_the_legacy_model_ignores(tmp_path, run_cli):
@@ -549,3 +571,64 @@ def test_legacy_names_are_not_written_for_a_rope_base_the_legacy_model_ignores(t
     assert r.code == 2 and "RoPE at base 500000" in r.err, r.err
     assert not (tmp_path / "mg").exists()
     assert run_cli("convert", src, tmp_path / "mg", "--to", "megatron").code == 0
+
+
+def test_megatron_deepspeed_legacy_names_with_rope_theta_reshard_and_convert(tmp_path, run_cli):
+    """Megatron-DeepSpeed writes legacy tensor names too, and its model applies ``rope_theta``:
+    such a checkpoint reshards in its names (the legacy writer refused the base, as for
+    Megatron-LM's legacy model) and converts to HF with that base."""
+    import json as _json
+
+    src = save_hf(tmp_path / "hf", num_key_value_heads=4)
+    mg = tmp_path / "run"
+    assert run_cli("convert", src, mg, "--to", "megatron", "--megatron-names", "legacy").code == 0
+    for rank in mg.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(rank, weights_only=False)
+        del state["ckptool"], state["args"].rotary_base
+        state["args"].rope_theta, state["args"].num_experts = 500000.0, [1]
+        torch.save(state, rank)
+    (mg / "ckptool.json").unlink()
+    r = run_cli("reshard", mg, tmp_path / "tp2", "--to-tp", "2")
+    assert r.code == 0, r.err
+    assert run_cli("convert", tmp_path / "tp2", tmp_path / "out", "--to", "hf").code == 0
+    cfg = _json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta")) == 500000.0, cfg
+
+
+def test_megatron_rewritten_for_the_other_model_code_keeps_its_gelu(tmp_path, run_cli):
+    """The same GELU flags compute differently in Megatron-Core and the legacy model, so a
+    checkpoint rewritten under the other code's tensor names gets flags for that code: a
+    Megatron-Core GPT whose args say --openai-gelu (ignored there: it ran the exact GELU) keeps
+    the exact GELU under legacy names (it read back as tanh), and back under mcore names."""
+    import json as _json
+
+    m = dict(H.GPT, openai_gelu=True)
+    src = tmp_path / "mg"
+    H.save_real(m, 1, src)
+
+    def activation(path):
+        return _json.loads(run_cli("inspect", "--json", path).out)["model_config"]["activation"]
+
+    assert activation(src) == "gelu"
+    legacy = tmp_path / "legacy"
+    assert run_cli("convert", src, legacy, "--to", "megatron", "--megatron-names", "legacy").code == 0
+    assert activation(legacy) == "gelu"
+    back = tmp_path / "back"
+    assert run_cli("convert", legacy, back, "--to", "megatron-dist").code == 0
+    assert activation(back) == "gelu"
+
+
+def test_a_tanh_gelu_without_biases_is_not_written_for_megatron_core():
+    """Megatron-Core's only tanh GELU is its fused bias kernel: args for its names cannot say
+    a tanh GELU without biases (they said --openai-gelu, which it ignores: the exact GELU ran)."""
+    from dataclasses import replace
+
+    from ckptool.core.errors import UsageError
+    from ckptool.core.topology import Topology
+    from converters.schemas.megatron_args import spec_from_args, update_args
+
+    spec = replace(spec_from_args(_args())[0], add_bias=False, activation="gelu_tanh")
+    with pytest.raises(UsageError, match="tanh approximation without biases"):
+        update_args(None, spec, Topology(), None, model="mcore")
+    legacy = update_args(None, spec, Topology(), None, model="legacy")
+    assert spec_from_args(legacy, model="legacy")[0].activation == "gelu_tanh"

@@ -105,6 +105,10 @@ class CheckpointIndex:
     unmapped: str | None = None
     """Why state the source holds could not be mapped to global tensors (e.g. an optimizer
     layout ckptool cannot derive): every writer refuses it unless it is dropped on request."""
+    contradicts: str | None = None
+    """Where the source's own metadata says another model than its code computed (Megatron-LM
+    args its legacy model never applied): read, inspected and resharded as it is, never
+    converted (the output would compute what the metadata says)."""
     layouts: dict[type, Any] = field(default_factory=dict)
     """What the reader knows of the source beyond its tensors and stored objects, one typed
     record per kind, keyed by its class: a DeepSpeed source's file structure, a Megatron

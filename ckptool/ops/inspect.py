@@ -73,6 +73,8 @@ def inspect(url: str, *, top: int = 10) -> InspectResult:
     largest = sorted(index.tensors.values(), key=lambda t: (-t.nbytes, t.key))[:top]
     committed = True if opened.manifest else (False if index.written_by_ckptool else None)
     warnings = [] if trusted() else [f.error().one_line() for f in unsafe_pickles(opened)]
+    if index.contradicts:  # read and resharded as it is; conversions refuse it
+        warnings.append(f"{index.contradicts}; conversions refuse it")
     return InspectResult(
         path=opened.store.url, format=opened.format, format_version=index.format_version,
         committed=committed, topology=index.topology.to_dict() if index.topology else None,

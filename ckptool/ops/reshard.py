@@ -31,7 +31,7 @@ from ckptool.core.progress import step as progress_step
 from ckptool.core.storage import overlap
 from ckptool.ops.write import WriteJob, write_output
 from converters.schemas.hf import refuse_uncarried_config
-from converters.schemas.megatron_args import refuse_uncarried_args
+from converters.schemas.megatron_args import refuse_contradicted, refuse_uncarried_args
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +179,7 @@ def rewrite(opened: Opened, dst: str, fmt: str, options: RewriteOptions,
                          hint="Write to a new path outside the source checkpoint (and move it "
                               "afterwards if you must); nothing was written")
     require_safe_pickles(opened)
+    refuse_contradicted(opened.index, fmt, opened.format, options.names)
     target_format = converters.writer_class(fmt)  # what the format can do
     if fmt != opened.format:
         opened = opened.canonical() if target_format.canonical_source else opened.native()

@@ -689,7 +689,8 @@ class PipelineWriter(Writer):
             tree["checkpoint_parallel_dimensions"] = {**tree["checkpoint_parallel_dimensions"],
                                                       "pp_degree": topo.pp, "tp_degree": topo.tp}
         if isinstance(tree.get("args"), argparse.Namespace):  # Megatron-DeepSpeed's own spellings
-            tree["args"] = update_args(tree["args"], self.spec, topo, true_vocab_size)
+            tree["args"] = update_args(tree["args"], self.spec, topo, true_vocab_size,
+                                       model="megatron-deepspeed")
         if "ds_config" in tree:
             tree["ds_config"] = _pipe_config(stage, topo)
         src = index.topology

@@ -60,6 +60,7 @@ from converters.schemas.megatron import TRACKER, iteration_dir, params_by_key
 from converters.schemas.megatron_args import (
     UnevenStages,
     feature_notes,
+    refuse_unrunnable_gelu,
     source_dtype,
     update_args,
 )
@@ -210,6 +211,7 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
 
     def plan(self, index, topo: Topology, spec: ModelSpec, schema: str = "mcore-te",
              with_optimizer: bool = True) -> list[TargetFile]:
+        refuse_unrunnable_gelu(spec, "mcore")
         it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)
         params = params_by_key(spec)
         padded = spec.padded_vocab(topo.tp)

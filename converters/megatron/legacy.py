@@ -53,6 +53,8 @@ from converters.schemas.megatron import (
 from converters.schemas.megatron_args import (
     UnevenStages,
     feature_notes,
+    ignored_by_legacy,
+    refuse_unrunnable_gelu,
     source_dtype,
     spec_from_args,
     update_args,
@@ -175,7 +177,8 @@ class MegatronReader(TorchFileReader):
         if not isinstance(args, argparse.Namespace):
             raise BadCheckpoint("rank file has no Megatron `args`", path=store.display(files[0].rel),
                                 hint="ckptool needs args to know the model layout")
-        spec, topo, vocab_known = spec_from_args(args, model=_model_code(first))
+        code = _model_code(first)
+        spec, topo, vocab_known = spec_from_args(args, model=code)
         files = sorted((f.placed(topo) for f in files), key=lambda f: (f.pp, f.ep, f.tp))
         primaries = _primaries(files, topo, store)
         version = first.get("checkpoint_version")
@@ -185,6 +188,8 @@ class MegatronReader(TorchFileReader):
                                 iteration=_iteration(first), written_by_ckptool=MARK in first,
                                 format_version=None if version is None else str(version))
         index.objects["args"] = ObjectInfo("args", value=args)
+        if code == "legacy":
+            index.contradicts = ignored_by_legacy(args)
         archive0 = self._load(store, files[0].rel)
         for key in CARRIED:
             if key in first:
@@ -532,7 +537,13 @@ class MegatronWriter(UnevenStages, Writer):
             what = "QK norms" if spec.qk_layernorm else "grouped-query attention"
             raise UsageError(f"pre-mcore (legacy) names cannot express {what} here",
                              hint="Use --megatron-names mcore-local or mcore-te")
-        if schema == "legacy":  # Megatron-LM's legacy model would not apply them
+        refuse_unrunnable_gelu(spec, "legacy" if schema == "legacy" else "mcore")
+        names = index.layout(Names)
+        args = index.objects.get("args")
+        if schema == "legacy" and not (names is not None and names.schema == "legacy") and not (
+                args is not None and hasattr(args.value, "rope_theta")):
+            # Megatron-LM's legacy model would not apply them (a legacy source keeps its args as
+            # they are, and Megatron-DeepSpeed's model applies its rope_theta)
             what = ("RoPE at base %g" % spec.rotary_base if not spec.learned_positions
                     and spec.rotary_base != 10000 else "RoPE scaling" if spec.rope_scaling
                     else "a sliding window" if spec.window_size is not None else None)
@@ -650,7 +661,8 @@ class MegatronWriter(UnevenStages, Writer):
         state.setdefault("checkpoint_version", 3.0)
         state.setdefault("iteration", index.iteration or 0)
         args = index.objects.get("args")
-        state["args"] = update_args(args.value if args else None, spec, topo, true_vocab_size, index)
+        state["args"] = update_args(args.value if args else None, spec, topo, true_vocab_size, index,
+                                    model="legacy" if ctx.schema == "legacy" else "mcore")
         rng = _pick_rng(index, ctx.tp, ctx.pp)
         state["rng_state"] = rng if rng is not None else fresh_rng_state(
             _seed(state["args"]), ctx.tp, ctx.pp, ctx.ep, expert_tp_rank(topo, ctx.tp))

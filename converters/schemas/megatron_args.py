@@ -71,8 +71,6 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None,
 
     ``model`` (one of :data:`MODELS`; None: not known) is the code that ran them: the same args
     compute differently in Megatron-Core and in the legacy models (the GELU, RoPE's base)."""
-    if model == "legacy" and not hasattr(args, "rope_theta"):  # Megatron-DeepSpeed applies its theta
-        _refuse_ignored_by_legacy(normalize_args(args))
     args = normalize_args(args)
     try:
         layers = int(args.num_layers)
@@ -158,19 +156,33 @@ _LEGACY_IGNORES = (
 its attention no window): what it ran instead."""
 
 
-def _refuse_ignored_by_legacy(args: argparse.Namespace) -> None:
-    """Refuse args of Megatron-LM's legacy model that its code ignores: the stored args then say
-    one model and the weights were trained as another, and which one cannot be told apart from
-    the args alone."""
+def ignored_by_legacy(args: argparse.Namespace) -> str | None:
+    """What Megatron-LM ``args`` of a legacy-model checkpoint set that its code never applied
+    (its RotaryEmbedding takes no base or scaling, its attention no window), in words; None
+    when nothing. The stored args then say one model and the weights were trained as another.
+    Megatron-DeepSpeed's args (``rope_theta``, which its model applies) are not Megatron-LM's."""
+    if hasattr(args, "rope_theta"):
+        return None
+    args = normalize_args(args)
     for name, set_, ran in _LEGACY_IGNORES:
         value = getattr(args, name, None)
         if set_(value, args):
-            raise UnsupportedFormat(
-                f"the args set {name}={str(value)[:40]}, which Megatron-LM's legacy model (its "
-                f"tensor names) does not apply: it ran {ran}. The args and the weights disagree "
-                f"about the model, so no conversion can be trusted to compute what was trained",
-                hint="Nothing was written; a checkpoint of Megatron-Core (--use-mcore-models) "
-                     "applies these args")
+            return (f"its args set {name}={str(value)[:40]}, which Megatron-LM's legacy model (its "
+                    f"tensor names) does not apply: it ran {ran}")
+    return None
+
+
+def refuse_contradicted(index: CheckpointIndex, fmt: str, source_format: str, names: str | None) -> None:
+    """Refuse (UsageError, exit 2) to convert a source whose metadata contradicts what its code
+    computed (:attr:`CheckpointIndex.contradicts`, a legacy-model checkpoint's): the output would
+    compute what the metadata says. A reshard in its own format and legacy tensor names keeps it
+    as it is (the same code runs it)."""
+    if index.contradicts is None or (fmt == source_format and names in (None, "legacy")):
+        return
+    raise UsageError(f"the checkpoint cannot be converted faithfully: {index.contradicts}, so the "
+                     f"output would compute another model than the one trained", path=index.url,
+                     hint="A reshard that keeps its format and tensor names keeps it as it is; "
+                          "nothing was written")
 
 
 MCORE_ROPE_SCALING = {"rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0,
@@ -451,7 +463,8 @@ def retarget_spec(spec: ModelSpec, source_tp: int, target_tp: int, vocab_known: 
 
 
 def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology,
-                true_vocab_size: int | None, index: CheckpointIndex | None = None) -> argparse.Namespace:
+                true_vocab_size: int | None, index: CheckpointIndex | None = None, *,
+                model: str = "mcore") -> argparse.Namespace:
     """Megatron args for the target topology (Megatron asserts they match the job's).
 
     Args made for a source without them (DeepSpeed, HF) say how many samples it trained on
@@ -499,7 +512,34 @@ def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology
     new.decoder_last_pipeline_num_layers = spec.last_stage_layers
     if true_vocab_size:
         new.ckptool_true_vocab_size = int(true_vocab_size)
+    _set_activation(new, spec, model)
     return new
+
+
+def refuse_unrunnable_gelu(spec: ModelSpec, model: str) -> None:
+    """Refuse (before anything is written) a tanh GELU without biases for Megatron-Core's names:
+    its only tanh GELU is the fused bias kernel."""
+    if model == "mcore" and not spec.swiglu and spec.activation == "gelu_tanh" and not spec.add_bias:
+        raise UsageError("the MLP's GELU is the tanh approximation without biases, which "
+                         "Megatron-Core cannot run (its only tanh GELU is the fused bias kernel)",
+                         hint="Write legacy tensor names (--megatron-names legacy, Megatron-LM's "
+                              "legacy model with --openai-gelu); nothing was written")
+
+
+def _set_activation(args: argparse.Namespace, spec: ModelSpec, model: str) -> None:
+    """Set the GELU flags of ``args`` so that ``model`` (the code the output's tensor names are
+    for: ``mcore`` or ``legacy``) computes ``spec.activation``: the same flags compute
+    differently in the two (:func:`_activation`), so a source's flags are not copied as they are
+    into the other's names. Megatron-Core has the tanh GELU only as its fused bias kernel, so a
+    tanh GELU without biases is refused there."""
+    if getattr(args, "swiglu", False):
+        return
+    refuse_unrunnable_gelu(spec, model)
+    tanh = spec.activation == "gelu_tanh"
+    args.openai_gelu, args.onnx_safe = tanh, False
+    args.bias_gelu_fusion = tanh and spec.add_bias
+    if _activation(args, model) != spec.activation:  # the rule above and the reader disagree
+        raise UsageError(f"Megatron args cannot say the {spec.activation} GELU for {model}")
 
 
 class UnevenStages:
