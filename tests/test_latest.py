@@ -194,7 +194,7 @@ def test_a_megatron_root_stays_one_checkpoint_beside_a_committed_export(tmp_path
     root = tmp_path / "mg"
     H.save_real(H.GPT, 1, root)
     assert run_cli("latest", root).out.strip() == str(root)
-    make_ckpt(root / "export-12", iteration=12)
+    make_ckpt(root / "export-10", iteration=10)  # a conversion of the root's iteration, kept in it
     r = run_cli("latest", root)
     assert r.code == 0 and r.out.strip() == str(root), r.out + r.err
 
@@ -289,3 +289,17 @@ def test_closed_stdout_is_no_traceback(tmp_path, make_ckpt):
     r = subprocess.run(f"{sys.executable} -m ckptool latest {tmp_path / 'run'} >&-", shell=True, cwd=repo,
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(repo)}, timeout=120)
     assert "Traceback" not in r.stderr and r.returncode in (0, 120), (r.returncode, r.stderr)
+
+
+def test_a_megatron_root_yields_to_later_saves_and_its_own_name_is_no_step(tmp_path, make_ckpt, run_cli):
+    """A Megatron root (tracker at iteration 10) into which the hook then saved step 20: the
+    later save is the newest (the root won, and a resume would have gone back to 10). A root
+    named like a number (a Slurm job id) does not take that number as its step."""
+    from tests.harness import mcore as H
+
+    root = tmp_path / "123456"
+    H.save_real(H.GPT, 1, root)
+    doc = json.loads(run_cli("latest", "--json", root).out)
+    assert doc["path"] == str(root) and doc["iteration"] != 123456, doc
+    later = make_ckpt(root / "step_00000020", iteration=20)
+    assert run_cli("latest", root).out.strip() == str(later)

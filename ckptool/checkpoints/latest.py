@@ -45,7 +45,7 @@ def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
             skipped.append(Skipped(cand.store.url, f"abandoned: the run went back to an earlier step "
                                    f"and saved {later.store.name} after it"))
             continue
-        reason, fmt, iteration = _judge(cand.store, verify_checkpoints)
+        reason, fmt, iteration = _judge(cand.store, verify_checkpoints, named=cand.store is not store)
         if reason is None:
             return LatestResult(cand.store.url, fmt, iteration, verify_checkpoints, skipped)
         skipped.append(Skipped(cand.store.url, reason))
@@ -73,8 +73,9 @@ def _older_tracked(store: Store, full: bool) -> str | None:
     return None
 
 
-def _judge(store: Store, full: bool) -> tuple[str | None, str, int | None]:
-    """(reason to skip or None, format, iteration)."""
+def _judge(store: Store, full: bool, named: bool = True) -> tuple[str | None, str, int | None]:
+    """(reason to skip or None, format, iteration). ``named``: a save under a run root, whose
+    name may say its step (a root's own name, a job id, says none)."""
     try:
         if full:
             report = verify(store.url)
@@ -94,7 +95,7 @@ def _judge(store: Store, full: bool) -> tuple[str | None, str, int | None]:
                     what = "missing" if size is None else f"{size} bytes, the manifest says {entry.size}"
                     return f"{entry.path} is {what} (sizes checked, not hashes: --no-verify)", fmt, None
         iteration = manifest.iteration if manifest and manifest.iteration is not None else \
-            iteration_from_name(store.name)
+            iteration_from_name(store.name) if named else None
         return None, fmt, iteration
     except CkptoolError as exc:
         return exc.one_line(), "?", None

@@ -113,11 +113,34 @@ def is_checkpoint(store: Store) -> bool:
     """Whether ``store`` is itself a checkpoint (not a run root of them). A run root whose
     checkpoints are committed (a manifest in each, the hook's ``step_*``) is one without
     asking every format's reader, so ``latest`` and ``verify`` of it import no torch."""
-    if not store.exists(MANIFEST) and not any(store.exists(t) for t in converters.root_trackers()) \
-            and any(is_dir and not is_temporary(name) and store.child(name).exists(MANIFEST)
-                    for name, is_dir in store.ls()):
-        return False  # (a Megatron or DeepSpeed root, its tracker naming the step, is one checkpoint)
+    if not store.exists(MANIFEST):
+        committed = [store.child(name) for name, is_dir in store.ls()
+                     if is_dir and not is_temporary(name) and store.child(name).exists(MANIFEST)]
+        if committed and not _tracker_leads(store, committed):
+            return False
     return converters.detect(store) is not None
+
+
+def _tracker_leads(store: Store, committed: list[Store]) -> bool:
+    """Whether ``store`` is a Megatron or DeepSpeed run root (its tracker names the step --load
+    takes) that stays one checkpoint beside the committed ones in it (a conversion kept there):
+    unless one of those is of a later step (the hook saving into a root Megatron saved to
+    before), when the root is a run root of candidates like any other."""
+    tracker = next((t for t in converters.root_trackers() if store.exists(t)), None)
+    if tracker is None:
+        return False
+    try:
+        with store.open_file(tracker, "rb") as f:
+            tracked = iteration_from_name(f.read(64).decode("ascii", "replace").strip())
+    except (OSError, CkptoolError):
+        return True
+    if tracked is None:  # "release", or unreadable: the tracker says what Megatron loads
+        return True
+    for child in committed:
+        manifest = _manifest(child)
+        if manifest is not None and manifest.iteration is not None and manifest.iteration > tracked:
+            return False
+    return True
 
 
 def _manifest(store: Store) -> Manifest | None:
