@@ -54,6 +54,7 @@ from converters.schemas.megatron_args import (
     UnevenStages,
     feature_notes,
     ignored_by_legacy,
+    refuse_unapplied_by_legacy,
     refuse_unrunnable_gelu,
     source_dtype,
     spec_from_args,
@@ -189,7 +190,7 @@ class MegatronReader(TorchFileReader):
                                 format_version=None if version is None else str(version))
         index.objects["args"] = ObjectInfo("args", value=args)
         if code == "legacy":
-            index.contradicts = ignored_by_legacy(args)
+            index.contradicts = ignored_by_legacy(args, spec)
         archive0 = self._load(store, files[0].rel)
         for key in CARRIED:
             if key in first:
@@ -542,15 +543,8 @@ class MegatronWriter(UnevenStages, Writer):
         args = index.objects.get("args")
         if schema == "legacy" and not (names is not None and names.schema == "legacy") and not (
                 args is not None and hasattr(args.value, "rope_theta")):
-            # Megatron-LM's legacy model would not apply them (a legacy source keeps its args as
-            # they are, and Megatron-DeepSpeed's model applies its rope_theta)
-            what = ("RoPE at base %g" % spec.rotary_base if not spec.learned_positions
-                    and spec.rotary_base != 10000 else "RoPE scaling" if spec.rope_scaling
-                    else "a sliding window" if spec.window_size is not None else None)
-            if what:
-                raise UsageError(f"the model has {what}, which Megatron-LM's legacy model (legacy "
-                                 f"names) does not apply: it would compute differently",
-                                 hint="Use --megatron-names mcore-local or mcore-te; nothing was written")
+            # a legacy source keeps its args as they are; Megatron-DeepSpeed applies its rope_theta
+            refuse_unapplied_by_legacy(spec)
         it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)
         optim_layout = index.layout(optim.Layout) if with_optimizer else None
         self._from_deepspeed = optim.deepspeed_state(index, self._schedule, with_optimizer)

@@ -146,30 +146,44 @@ def _activation(args: argparse.Namespace, model: str | None) -> str:
     return "gelu_tanh" if fused else "gelu"
 
 
-_LEGACY_IGNORES = (
-    ("rotary_base", lambda v, a: v not in (None, 10000, 10000.0) and
-     str(_get(a, "position_embedding_type", "")) == "rope", "RoPE at base 10000"),
-    ("use_rope_scaling", lambda v, a: bool(v), "RoPE without scaling"),
-    ("window_size", lambda v, a: _window(v) is not None, "full attention"),
-)
-"""Megatron-LM args its legacy model does not apply (its RotaryEmbedding takes no base or scaling,
-its attention no window): what it ran instead."""
+def unapplied_by_legacy(spec: ModelSpec) -> tuple[str, object, str, str] | None:
+    """What of ``spec`` Megatron-LM's legacy model would not apply (its RotaryEmbedding takes no
+    base or scaling, its attention no window): ``(its arg, the arg's value, the feature, what
+    that model runs instead)``; None when nothing. The one rule behind reading a legacy
+    checkpoint's args (:func:`ignored_by_legacy`) and writing legacy names
+    (:func:`refuse_unapplied_by_legacy`)."""
+    if not spec.learned_positions and spec.rotary_base != 10000:
+        return "rotary_base", spec.rotary_base, "RoPE at base %g" % spec.rotary_base, "RoPE at base 10000"
+    if spec.rope_scaling:
+        return "use_rope_scaling", True, "RoPE scaling", "RoPE without scaling"
+    if spec.window_size is not None:
+        return "window_size", (spec.window_size - 1, 0), "a sliding window", "full attention"
+    return None
 
 
-def ignored_by_legacy(args: argparse.Namespace) -> str | None:
-    """What Megatron-LM ``args`` of a legacy-model checkpoint set that its code never applied
-    (its RotaryEmbedding takes no base or scaling, its attention no window), in words; None
-    when nothing. The stored args then say one model and the weights were trained as another.
-    Megatron-DeepSpeed's args (``rope_theta``, which its model applies) are not Megatron-LM's."""
+def ignored_by_legacy(args: argparse.Namespace, spec: ModelSpec | None = None) -> str | None:
+    """What Megatron-LM ``args`` of a legacy-model checkpoint set that its code never applied,
+    in words (:func:`unapplied_by_legacy` of ``spec``, the args' model); None when nothing. The stored args then say one model
+    and the weights were trained as another. Megatron-DeepSpeed's args (``rope_theta``, which its
+    model applies) are not Megatron-LM's."""
     if hasattr(args, "rope_theta"):
         return None
-    args = normalize_args(args)
-    for name, set_, ran in _LEGACY_IGNORES:
-        value = getattr(args, name, None)
-        if set_(value, args):
-            return (f"its args set {name}={str(value)[:40]}, which Megatron-LM's legacy model (its "
-                    f"tensor names) does not apply: it ran {ran}")
-    return None
+    found = unapplied_by_legacy(spec or spec_from_args(args, model="legacy")[0])
+    if found is None:
+        return None
+    name, value, _, ran = found
+    return (f"its args set {name}={str(value)[:40]}, which Megatron-LM's legacy model (its tensor "
+            f"names) does not apply: it ran {ran}")
+
+
+def refuse_unapplied_by_legacy(spec: ModelSpec) -> None:
+    """Refuse (UsageError, exit 2) legacy tensor names for a model Megatron-LM's legacy model
+    would compute differently (:func:`unapplied_by_legacy`)."""
+    found = unapplied_by_legacy(spec)
+    if found is not None:
+        raise UsageError(f"the model has {found[2]}, which Megatron-LM's legacy model (legacy "
+                         f"names) does not apply: it would compute differently",
+                         hint="Use --megatron-names mcore-local or mcore-te; nothing was written")
 
 
 def refuse_contradicted(index: CheckpointIndex, fmt: str, source_format: str, names: str | None) -> None:
