@@ -14,6 +14,7 @@ from ckptool.checkpoints.open import (
     candidates,
     is_checkpoint,
     iteration_from_name,
+    tracker_of,
 )
 from ckptool.checkpoints.reports import LatestResult, Skipped
 from ckptool.checkpoints.verify import verify
@@ -62,7 +63,7 @@ def _older_tracked(store: Store, full: bool) -> str | None:
     """For a run root whose tracker (Megatron's, DeepSpeed's) names a bad checkpoint: the newest
     older one of its own that passes, as what to do (``latest`` prints the root, which is what
     Megatron's and DeepSpeed's --load take, so it cannot print that one instead)."""
-    tracker = next((t for t in converters.root_trackers() if store.exists(t)), None)
+    tracker = tracker_of(store)
     if tracker is None:
         return None
     for cand in candidates(store):
@@ -88,12 +89,9 @@ def _judge(store: Store, full: bool, named: bool = True) -> tuple[str | None, st
             if index.written_by_ckptool:
                 return "not committed: ckptool.json is missing", fmt, None
         if manifest is not None and not full:  # no hashing, but every file there, whole
-            sizes = store.files()
-            for entry in manifest.files:
-                size = sizes.get(entry.path)
-                if size != entry.size:
-                    what = "missing" if size is None else f"{size} bytes, the manifest says {entry.size}"
-                    return f"{entry.path} is {what} (sizes checked, not hashes: --no-verify)", fmt, None
+            for entry, size in manifest.size_mismatches(store.files()).values():
+                what = "missing" if size is None else f"{size} bytes, the manifest says {entry.size}"
+                return f"{entry.path} is {what} (sizes checked, not hashes: --no-verify)", fmt, None
         iteration = manifest.iteration if manifest and manifest.iteration is not None else \
             iteration_from_name(store.name) if named else None
         return None, fmt, iteration

@@ -121,12 +121,18 @@ def is_checkpoint(store: Store) -> bool:
     return converters.detect(store) is not None
 
 
+def tracker_of(store: Store) -> str | None:
+    """The tracker file of a Megatron or DeepSpeed run root (it names the step --load takes),
+    or None (:func:`converters.root_trackers`)."""
+    return next((t for t in converters.root_trackers() if store.exists(t)), None)
+
+
 def _tracker_leads(store: Store, committed: list[Store]) -> bool:
     """Whether ``store`` is a Megatron or DeepSpeed run root (its tracker names the step --load
     takes) that stays one checkpoint beside the committed ones in it (a conversion kept there):
     unless one of those is of a later step (the hook saving into a root Megatron saved to
     before), when the root is a run root of candidates like any other."""
-    tracker = next((t for t in converters.root_trackers() if store.exists(t)), None)
+    tracker = tracker_of(store)
     if tracker is None:
         return False
     try:

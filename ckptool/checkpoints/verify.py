@@ -172,16 +172,14 @@ def _check_manifest(check: _Check, manifest: Manifest, actual: dict[str, int], s
                     workers: int, progress: Progress | None,
                     scans: dict[str, Callable[[], FileScan]] | None = None,
                     read: set[str] = frozenset()) -> None:
-    to_hash = []
-    for entry in manifest.files:
-        size = actual.get(entry.path)
+    mismatched = manifest.size_mismatches(actual)
+    for entry, size in mismatched.values():
         if size is None:
             check.add("missing", "file listed in the manifest is missing", entry.path)
-        elif size != entry.size:
+        else:
             what = "truncated" if size < entry.size else "longer than recorded"
             check.add("size", f"file is {what}: {size} bytes, manifest says {entry.size}", entry.path)
-        else:
-            to_hash.append(entry)
+    to_hash = [e for e in manifest.files if e.path not in mismatched]
     hashes = hash_files(check.store, [e.path for e in to_hash], workers=workers, progress=progress,
                         scans=scans, sizes=actual)
     check.scanned.update(e.path for e in to_hash)

@@ -116,6 +116,11 @@ class Manifest:
                 continue
         return None
 
+    def size_mismatches(self, actual: dict[str, int]) -> dict[str, tuple[FileEntry, int | None]]:
+        """The listed files ``actual`` (path -> size) does not hold at their recorded size: path
+        -> (entry, the size there, None when missing). No byte is read."""
+        return {e.path: (e, actual.get(e.path)) for e in self.files if actual.get(e.path) != e.size}
+
     def file_map(self) -> dict[str, FileEntry]:
         return {f.path: f for f in self.files}
 

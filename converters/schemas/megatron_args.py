@@ -163,9 +163,9 @@ def unapplied_by_legacy(spec: ModelSpec) -> tuple[str, object, str, str] | None:
 
 def ignored_by_legacy(args: argparse.Namespace, spec: ModelSpec | None = None) -> str | None:
     """What Megatron-LM ``args`` of a legacy-model checkpoint set that its code never applied,
-    in words (:func:`unapplied_by_legacy` of ``spec``, the args' model); None when nothing. The stored args then say one model
-    and the weights were trained as another. Megatron-DeepSpeed's args (``rope_theta``, which its
-    model applies) are not Megatron-LM's."""
+    in words (:func:`unapplied_by_legacy` of ``spec``, the args' model); None when nothing. The
+    stored args then say one model and the weights were trained as another. Megatron-DeepSpeed's
+    args (``rope_theta``, which its model applies) are not Megatron-LM's."""
     if hasattr(args, "rope_theta"):
         return None
     found = unapplied_by_legacy(spec or spec_from_args(args, model="legacy")[0])

@@ -8,7 +8,8 @@
 # * The newest valid checkpoint was written by another topology (fewer or more nodes):
 #   RESHARD_MODE=hook (default) lets the training hook reshard at load time;
 #   RESHARD_MODE=offline runs `ckptool reshard` first into
-#   RUN_ROOT.resharded/tpT_ppP_dpD-NAME/NAME and loads from there (for trainers whose loader cannot reshard, e.g. Megatron's legacy one).
+#   RUN_ROOT.resharded/tpT_ppP_dpD-NAME/NAME and loads from there (for trainers whose loader
+#   cannot reshard, e.g. Megatron's legacy one).
 CKPTOOL=${CKPTOOL:-ckptool}
 RESHARD_MODE=${RESHARD_MODE:-hook}
 
