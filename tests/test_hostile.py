@@ -33,7 +33,7 @@ import xxhash
 from tests.conftest import CliResult, peer, sample_state
 from tests.harness import deepspeed_engine as DH
 from tests.harness import mcore as MH
-from tests.harness.damage import patch, truncate
+from tests.harness.damage import edit_manifest, patch, truncate
 
 REPO = Path(__file__).resolve().parents[1]
 SECONDS = 30
@@ -436,7 +436,7 @@ def _plant_dcp_object(case) -> None:
 
 
 def _edit_manifest(case, edit) -> None:
-    _edit_json(case.ckpt / "ckptool.json", edit)
+    edit_manifest(case.ckpt / "ckptool.json", edit)
 
 
 def _plant_listed_symlink(case) -> None:
@@ -735,9 +735,7 @@ def test_a_manifest_topology_beyond_any_job_is_refused(sources, tmp_path, run_cl
     2**32 planned ranks, ~3 GB and a MemoryError traceback."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(sources["sealed"], ckpt)
-    manifest = json.loads((ckpt / "ckptool.json").read_text())
-    manifest["topology"]["tp"] = 1 << 31
-    (ckpt / "ckptool.json").write_text(json.dumps(manifest))
+    edit_manifest(ckpt / "ckptool.json", lambda m: m["topology"].update(tp=1 << 31))
     with _AddressSpace():
         r = run_cli("reshard", ckpt, tmp_path / "dst", "--to-dp", "2")
     assert r.code == 2 and len(r.err.strip().splitlines()) == 1 and "beyond any job" in r.err, r.err

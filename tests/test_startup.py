@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from tests.harness.damage import edit_manifest
+
 _RUN = """
 import sys
 sys.argv = ["ckptool", *{argv!r}]
@@ -106,12 +108,13 @@ def test_a_layout_where_a_dtype_belongs_is_refused_without_torch_too(run_root, t
     from ckptool.core.manifest import MANIFEST, hash_files
     from ckptool.core.storage import Store
 
-    manifest = json.loads((bad / MANIFEST).read_text())  # recommitted: the hashes match again
     size, digest = hash_files(Store.open(str(bad)), [".metadata"])[".metadata"]
-    for entry in manifest["files"]:
-        if entry["path"] == ".metadata":
-            entry.update(size=size, xxh3_128=digest)
-    (bad / MANIFEST).write_text(json.dumps(manifest))
+
+    def recommit(manifest):  # the hashes match again
+        for entry in manifest["files"]:
+            if entry["path"] == ".metadata":
+                entry.update(size=size, xxh3_128=digest)
+    edit_manifest(bad / MANIFEST, recommit)
     for preload in (False, True):
         script = ("import torch\n" if preload else "") + _RUN.format(argv=["verify", str(bad)])
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -254,3 +254,39 @@ def test_reshard_convert_and_load_refuse_an_uncommitted_ckptool_checkpoint(tmp_p
     state = {"w": torch.zeros(1)}
     with pytest.raises(BadCheckpoint, match="not committed"):
         load(str(ck), state)
+
+
+def _edit_in_place(ckpt, edit, **dump):
+    """Edit the parsed manifest and write it back as an editor would: its own checksum is
+    left as it was."""
+    path = ckpt / "ckptool.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data, **dump))
+
+
+@pytest.mark.parametrize("field,value", [("iteration", 100), ("format", "hf"),
+                                         ("topology", {"tp": 2, "pp": 1, "dp": 1})])
+def test_a_manifest_edited_after_commit_is_caught(tmp_path, make_ckpt, run_cli, field, value):
+    """The manifest checks itself: an edited step used to verify OK and reorder ``latest``; an
+    edited format was exit 2 "file not found (config.json)"."""
+    older = make_ckpt(tmp_path / "step_4", iteration=4)
+    newer = make_ckpt(tmp_path / "step_8", iteration=8)
+    _edit_in_place(older, lambda m: m.update({field: value}))
+    res = run_cli("verify", older)
+    assert res.code == 1 and "does not match its own checksum" in res.out, (res.out, res.err)
+    assert str(older / "ckptool.json") in res.out and "Traceback" not in res.out + res.err
+    latest = run_cli("latest", tmp_path)
+    assert latest.code == 0 and latest.out.strip() == str(newer), (latest.out, latest.err)
+
+
+def test_a_manifest_laid_out_again_or_from_before_the_self_checksum_verifies(tmp_path, make_ckpt, run_cli):
+    """The self-checksum is over the parsed fields: re-indented or key-reordered JSON (``jq``)
+    still verifies; a manifest written before the field existed is read as it is."""
+    from ckptool.core.manifest import SELF
+
+    ckpt = make_ckpt(tmp_path / "step_12")
+    _edit_in_place(ckpt, lambda m: None, indent=4, sort_keys=True)
+    assert run_cli("verify", ckpt).code == 0
+    _edit_in_place(ckpt, lambda m: m.pop(SELF))
+    assert run_cli("verify", ckpt, "--deep").code == 0

@@ -33,6 +33,10 @@ from ckptool.core.storage import (
 MANIFEST = "ckptool.json"
 MANIFEST_VERSION = 1
 HASH = "xxh3-128"
+SELF = "manifest_xxh3_128"
+"""The manifest's checksum of itself: xxh3-128 of its other fields, in canonical JSON. A manifest
+damaged or edited after commit (its step, format or topology) then fails ``verify`` as the files
+it lists would. Manifests from before it have none, and are read as they are."""
 _BLOCK = 64 << 20
 _THREAD = threading.local()
 
@@ -77,6 +81,8 @@ class Manifest:
 
     def to_json(self) -> str:
         data = {"ckptool_manifest": MANIFEST_VERSION, "hash": HASH, **asdict(self)}
+        data = json.loads(json.dumps(data))  # what a reader will parse (tuples, int keys)
+        data[SELF] = self_digest(data)
         return json.dumps(data, indent=1, sort_keys=False) + "\n"
 
     @classmethod
@@ -87,6 +93,11 @@ class Manifest:
                 raise ValueError(f"unknown manifest version {str(data.get('ckptool_manifest'))[:20]!r}")
             if data.get("hash") != HASH:
                 raise ValueError(f"unknown hash {str(data.get('hash'))[:20]!r} (ckptool writes {HASH})")
+            if SELF in data and data[SELF] != self_digest(data):
+                raise BadCheckpoint(
+                    "manifest does not match its own checksum: it was edited or damaged after commit",
+                    path=source, hint="Use another checkpoint (`ckptool latest ROOT` finds the newest "
+                    "valid one), or restore this one from a copy")
             files = [_entry(f) for f in data["files"]]
             if len({f.path for f in files}) != len(files):
                 raise ValueError("a file is listed twice")
@@ -123,6 +134,13 @@ class Manifest:
 
     def file_map(self) -> dict[str, FileEntry]:
         return {f.path: f for f in self.files}
+
+
+def self_digest(data: dict) -> str:
+    """xxh3-128 of a parsed manifest's fields but :data:`SELF`, as canonical JSON (sorted keys,
+    no spaces): the same however the file is laid out."""
+    body = {k: v for k, v in data.items() if k != SELF}
+    return xxhash.xxh3_128(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 _HEX = frozenset("0123456789abcdef")

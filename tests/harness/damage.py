@@ -24,3 +24,17 @@ def patch(path: Path, at: int, data: bytes) -> None:
     raw = bytearray(path.read_bytes())
     raw[at:at + len(data)] = data
     path.write_bytes(bytes(raw))
+
+
+def edit_manifest(path: Path, edit) -> None:
+    """Apply ``edit`` to the parsed manifest ``path`` (a ``ckptool.json``) and write it back with
+    its own checksum made again, as someone who knows the format would: what is tested is
+    then the check of the edited field, not the checksum."""
+    import json
+
+    from ckptool.core.manifest import SELF, self_digest
+
+    data = json.loads(path.read_text())
+    edit(data)
+    data[SELF] = self_digest(data)
+    path.write_text(json.dumps(data))
