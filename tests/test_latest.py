@@ -303,3 +303,31 @@ def test_a_megatron_root_yields_to_later_saves_and_its_own_name_is_no_step(tmp_p
     assert doc["path"] == str(root) and doc["iteration"] != 123456, doc
     later = make_ckpt(root / "step_00000020", iteration=20)
     assert run_cli("latest", root).out.strip() == str(later)
+
+
+def test_a_save_symlinked_out_of_the_run_root_is_listed_as_skipped_and_never_pruned(tmp_path, make_ckpt, run_cli):
+    """``step_20 -> /elsewhere/step_20``: no read goes through it (a run root's paths stay inside
+    it), and it used to be passed by without a word, so a restart resumed from step 10 with
+    nothing saying why. The hook's ``keep_last`` neither counts nor deletes it."""
+    import os
+
+    import torch
+
+    from training import AsyncCheckpointer
+
+    root = tmp_path / "run"
+    ckpt = AsyncCheckpointer(str(root), keep_last=1)
+    ckpt.save(10, {"w": torch.ones(2)})
+    ckpt.wait()
+    elsewhere = make_ckpt(tmp_path / "elsewhere" / "step_00000020", iteration=20)
+    os.symlink(elsewhere, root / "step_00000020")
+    res = run_cli("latest", root)
+    assert res.code == 0 and res.out.strip() == str(root / "step_00000010"), (res.out, res.err)
+    assert f"skipped {root / 'step_00000020'}: is a symlink to {elsewhere}, outside the run root" in res.err
+    doc = json.loads(run_cli("latest", root, "--json").out)
+    assert [s["path"] for s in doc["skipped"]] == [str(root / "step_00000020")], doc
+    ckpt.save(11, {"w": torch.ones(2)})
+    ckpt.wait()
+    assert (elsewhere / "ckptool.json").exists() and (root / "step_00000020").is_symlink()
+    assert not (root / "step_00000010").exists()
+    assert run_cli("verify", elsewhere, "--deep").code == 0

@@ -324,7 +324,7 @@ class AsyncCheckpointer:
 
         found = candidates(self.root)
         left = abandoned(found)  # another trajectory's: kept, not counted
-        committed = [c for c in found if not c.temporary and c.store.url not in left
+        committed = [c for c in found if not c.temporary and c.known and c.store.url not in left
                      and _STEP.match(c.store.name) and c.store.exists("ckptool.json")]
         for cand in committed[self.keep_last:]:
             if cand.store.url != newest.url and not is_temporary(cand.store.name):

@@ -41,6 +41,9 @@ def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
             skipped.append(Skipped(cand.store.url, "not committed: temporary output of an "
                                    "unfinished write"))
             continue
+        if cand.refused is not None:
+            skipped.append(Skipped(cand.store.url, cand.refused))
+            continue
         if cand.store.url in left:
             later = left[cand.store.url]
             skipped.append(Skipped(cand.store.url, f"abandoned: the run went back to an earlier step "
@@ -67,8 +70,8 @@ def _older_tracked(store: Store, full: bool) -> str | None:
     if tracker is None:
         return None
     for cand in candidates(store):
-        if not cand.temporary and iteration_from_name(cand.store.name) is not None and \
-                _judge(cand.store, full)[0] is None:
+        saved = iteration_from_name(cand.store.name) is not None
+        if saved and not cand.temporary and cand.refused is None and _judge(cand.store, full)[0] is None:
             return (f"The checkpoint its {tracker} names is bad; {cand.store.name} passes: make "
                     f"{tracker} name it to resume from there")
     return None

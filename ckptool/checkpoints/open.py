@@ -35,6 +35,8 @@ class Candidate:
     known: bool = True
     """False for a directory named like a training save that no format detects (an emptied or
     half-copied save): ``latest`` lists it as skipped, with why, rather than passing it by."""
+    refused: str | None = None
+    """Why no read enters it (a symlink out of the run root); it is not :attr:`known` either."""
 
 
 _SAVED_NAME = re.compile(r"^(?:(?:step|iter|iteration|global_step|checkpoint|ckpt)[-_=]?)?(\d+)$")
@@ -64,6 +66,11 @@ def candidates(root: Store) -> list[Candidate]:
     found = []
     for name, is_dir in root.ls():
         if not is_dir:
+            out = root.link_out(name)
+            if out is not None:  # not read through the root: listed, so it is not passed by
+                found.append(Candidate(root.named(name), False, _order(None, name), known=False,
+                                       refused=f"is a symlink to {out}, outside the run root; "
+                                       "give that path to use it"))
             continue
         child = root.child(name)
         if is_temporary(name):

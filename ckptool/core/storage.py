@@ -150,6 +150,11 @@ class Store:
         self.contained(rel)
         return Store(_join_url(self.url, rel), self.fs, self.path(rel), self.durable)
 
+    def named(self, rel: str) -> "Store":
+        """The entry ``rel`` as a store, unchecked: only to name it (a symlink out of a run root,
+        listed as skipped), never to read through."""
+        return Store(_join_url(self.url, rel), self.fs, self.path(rel), self.durable)
+
     def contained(self, rel: str, *, named_by: str | None = None, key: str | None = None) -> str:
         """``rel`` if reading it stays inside the checkpoint, else :class:`PathEscape` naming
         the file that named it (``named_by``) and the entry (``key``). Local paths are
@@ -241,6 +246,17 @@ class Store:
                     self.fs.isdir(self.path(inner))
             out.append((e.name, is_dir))
         return sorted(out)
+
+    def link_out(self, rel: str) -> str | None:
+        """Where the entry ``rel`` leads when it is a symlink to a directory outside the store
+        (which :meth:`ls` lists as no directory, and no read enters); else None."""
+        if not self.is_local:
+            return None
+        path = self.path(rel)
+        if not os.path.islink(path):
+            return None
+        real = os.path.realpath(path)
+        return real if not _within(real, self._real_boundary()) and os.path.isdir(real) else None
 
     def files(self) -> dict[str, int]:
         """Every regular file below this store that reading may touch: relative path -> size.
