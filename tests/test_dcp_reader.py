@@ -137,3 +137,28 @@ def test_reshard_regroups_a_4_rank_dcp_for_2_ranks(dtensor_ckpt, tmp_path, run_c
     opened = open_checkpoint(str(dst))
     pieces = sorted((p.region.offsets, p.location.file) for p in opened.index.tensors["model.col"].pieces)
     assert pieces == [((0, 0), "__0_0.distcp"), ((5, 0), "__1_0.distcp")]
+
+
+def test_storage_paths_with_a_dot_segment_read_as_the_files_they_name(tmp_path, run_cli):
+    """A ``.metadata`` whose storage entries say ``./__0_0.distcp`` (torch opens it: it joins the
+    path) names the file ``__0_0.distcp``: verify reported that file as missing, and the one
+    there as not named."""
+    import pickle
+
+    src = tmp_path / "dcp"
+    state = global_tensors()
+    dcp.save(state, checkpoint_id=str(src))
+    meta = pickle.loads((src / ".metadata").read_bytes())
+    for info in meta.storage_data.values():
+        info.relative_path = "./" + info.relative_path
+    (src / ".metadata").write_bytes(pickle.dumps(meta))
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(loaded, checkpoint_id=str(src))  # what torch does with it
+    res = run_cli("verify", src, "--deep")
+    assert res.code == 0 and "missing" not in res.out + res.err, (res.out, res.err)
+    out = tmp_path / "out"
+    assert run_cli("convert", src, out, "--to", "dcp").code == 0
+    again = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(again, checkpoint_id=str(out))
+    for key, value in state.items():
+        assert torch.equal(again[key], value) and torch.equal(loaded[key], value), key

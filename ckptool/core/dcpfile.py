@@ -14,6 +14,7 @@ format subclasses :class:`DcpContainerReader`.
 from __future__ import annotations
 
 import io
+import posixpath
 from typing import TYPE_CHECKING, Any
 
 from ckptool.core import progress
@@ -65,7 +66,7 @@ class DcpContainerReader(Reader):
             raise BadCheckpoint("DCP metadata has no storage table", path=store.display(METADATA))
         by_fqn: dict[tuple[str, tuple | None], Any] = {}
         spans: dict[str, list[tuple[int, int, str]]] = {}
-        contained: set = set()  # paths checked once: 256 files, not 874k chunks
+        contained: dict = {}  # paths checked once (256 files, not 874k chunks) -> plain form
         with progress.step("indexing .metadata", len(storage), "chunks") as step:
             self._index_storage(store, storage, by_fqn, spans, contained, index, step)
         _check_disjoint(store, spans)
@@ -89,9 +90,9 @@ class DcpContainerReader(Reader):
                     step.advance(4096)
                 fqn, path, offset, length = mindex.fqn, info.relative_path, info.offset, info.length
                 if (type(fqn) is not str or type(path) is not str or not path
-                        or type(offset) is not int or type(length) is not int or offset < 0 or length < 0
-                        or not (path in contained or _contain(store, path, fqn, contained))):
+                        or type(offset) is not int or type(length) is not int or offset < 0 or length < 0):
                     _bad_storage_info(store, fqn, info)
+                path = contained.get(path) or _contain(store, path, fqn, contained)
                 at = mindex.offset
                 key = (fqn, tuple(at) if at is not None else None)
                 if key in by_fqn:
@@ -284,12 +285,14 @@ def _sizes(values, store: Store, key: str) -> tuple[int, ...]:
     raise BadCheckpoint(f"malformed sizes {str(values)[:60]}", path=store.display(METADATA), key=key)
 
 
-def _contain(store: Store, path: str, fqn: str, contained: set) -> bool:
-    """``path`` (named by the entry of ``fqn``) is inside the checkpoint, else PathEscape;
-    each path is resolved once (256 files, not 874k chunks)."""
+def _contain(store: Store, path: str, fqn: str, contained: dict) -> str:
+    """``path`` (named by the entry of ``fqn``) in its plain form (``./__0_0.distcp``, which
+    torch opens, is ``__0_0.distcp``: the file verify finds), if it is inside the checkpoint,
+    else PathEscape; each path is resolved once (256 files, not 874k chunks)."""
     store.contained(path, named_by=METADATA, key=fqn)
-    contained.add(path)
-    return True
+    plain = posixpath.normpath(path)
+    contained[path] = plain = plain if plain not in (".", "") else path
+    return plain
 
 
 def _bad_storage_info(store: Store, fqn, info) -> None:
