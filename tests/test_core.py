@@ -49,6 +49,30 @@ def test_rename_output_is_all_or_nothing(tmp_path):
         atomic_output(str(tmp_path / "ckpt"))
 
 
+def test_two_runs_of_one_job_never_write_one_temporary_directory(tmp_path):
+    """The same command run twice at once (a prelaunch script on every node) shares the resume
+    key, so both wrote ``DST.tmp-KEY``: the second rewrote the first's files under it, even after
+    the first committed them, and then failed with "file not found". Now the second is refused
+    while the first writes; and one that began before the other committed fails at its rename,
+    leaving the committed destination as it was."""
+    from ckptool.core.errors import OutputFailed
+
+    dst = tmp_path / "dst"
+    first = atomic_output(str(dst), resume_key="k")
+    with pytest.raises(OutputFailed, match="another ckptool run is writing"):
+        atomic_output(str(dst), resume_key="k")
+    first.store.write_bytes("a.bin", b"first")
+    first.commit(lambda s: s.write_bytes(MANIFEST, b"{}"))
+    late = RenameOutput(Store.open(str(dst)), "k")  # it found no destination, just before the commit
+    late.store.write_bytes("a.bin", b"late")
+    with pytest.raises(OutputFailed, match="appeared while this run wrote it"):
+        late.commit(lambda s: s.write_bytes(MANIFEST, b"{}"))
+    assert (dst / "a.bin").read_bytes() == b"first" and sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
+    again = atomic_output(str(tmp_path / "other"), resume_key="k")  # the lock went with the commit
+    again.abort()
+    atomic_output(str(tmp_path / "other"), resume_key="k").abort()
+
+
 def test_store_without_rename_uses_the_manifest_as_commit_marker(run_cli):
     """fsspec's memory filesystem has no atomic rename: the manifest is the marker."""
     from converters import dcp

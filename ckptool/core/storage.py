@@ -16,6 +16,7 @@ Atomicity is a named object, not scattered protocol checks:
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import posixpath
 import re
@@ -570,6 +571,7 @@ class RenameOutput(AtomicOutput):
         tmp_root = f"{final.root}{TMP_MARK}{resume_key or uuid.uuid4().hex[:12]}"
         self.store = Store(f"{final.url}{tmp_root[len(final.root):]}", final.fs, tmp_root, final.durable)
         final.fs.makedirs(tmp_root, exist_ok=resume_key is not None)
+        self._lock = _hold(tmp_root, final) if resume_key is not None else None
 
     def commit(self, write_manifest) -> Store:
         write_manifest(self.store)
@@ -580,7 +582,16 @@ class RenameOutput(AtomicOutput):
         if self.replace and os.path.lexists(self.final.root):
             old = f"{self.final.root}{TMP_MARK}{uuid.uuid4().hex[:12]}"  # never read by `latest`
             os.rename(self.final.root, old)
-        os.rename(self.store.root, self.final.root)
+        try:
+            os.rename(self.store.root, self.final.root)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or old is not None:
+                raise
+            self.abort()  # another run committed the destination while this one wrote it
+            raise OutputFailed("the destination appeared while this run wrote it (another run "
+                               "committed it)", path=self.final.url,
+                               hint="Check that one job writes it; verify what is there") from None
+        self._release()
         if self.final.durable:
             _fsync_dir(os.path.dirname(self.final.root) or ".")
         if old is not None:
@@ -589,6 +600,37 @@ class RenameOutput(AtomicOutput):
             else:
                 os.unlink(old)
         return self.final
+
+
+    def abort(self) -> None:
+        super().abort()
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+
+def _hold(tmp_root: str, final: Store) -> int | None:
+    """An exclusive lock on the temporary directory a job of this resume key writes into (it
+    is the same directory for the same job): a second run of the same command at the same time
+    (a prelaunch script run on every node) is refused, where it used to rewrite the first one's
+    files under it. None where the filesystem has no ``flock`` (Lustre without -o flock)."""
+    fd = os.open(tmp_root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.stat(tmp_root).st_ino != os.fstat(fd).st_ino:  # committed by the other run meanwhile
+            raise BlockingIOError
+        return fd
+    except (BlockingIOError, FileNotFoundError):
+        os.close(fd)
+        raise OutputFailed("another ckptool run is writing this destination", path=final.url,
+                           hint=f"It writes into {tmp_root}; wait for it (or stop it: a re-run "
+                                "resumes what it wrote)") from None
+    except OSError:  # no locks on this filesystem: as before
+        os.close(fd)
+        return None
 
 
 class MarkerOutput(AtomicOutput):
