@@ -271,6 +271,12 @@ QWEN_WINDOWS = {  # (model, config edits, what transformers runs)
     # Qwen2 windows the layers from max_window_layers on: 0 is every layer
     "qwen2-from-0": ("Qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0,
                                    layer_types=None), "every layer"),
+    # no max_window_layers: transformers' 28, so Qwen2's 2 layers have none (read as 0, every
+    # layer had the window), and Qwen2-MoE's layer 0 alone has it (a pattern: refused)
+    "qwen2-default-28": ("Qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=None,
+                                       layer_types=None), "none"),
+    "qwen2_moe-default-28": ("Qwen2Moe", dict(use_sliding_window=True, sliding_window=4,
+                                              max_window_layers=None, layer_types=None), "refused"),
 }
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
            shared_expert_intermediate_size=40)
@@ -632,3 +638,91 @@ def test_a_tanh_gelu_without_biases_is_not_written_for_megatron_core():
         update_args(None, spec, Topology(), None, model="mcore")
     legacy = update_args(None, spec, Topology(), None, model="legacy")
     assert spec_from_args(legacy, model="legacy")[0].activation == "gelu_tanh"
+
+
+# ------------------------------------------------------- fields config.json leaves out
+
+FAMILY_CONFIGS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
+                  "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3Text", "olmo2": "Olmo2",
+                  "gpt2": "GPT2", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}
+WINDOWED = {"qwen2": dict(use_sliding_window=True, max_window_layers=3),
+            "qwen3": dict(use_sliding_window=True, max_window_layers=3),
+            "qwen2_moe": dict(use_sliding_window=True, max_window_layers=99)}
+"""Window settings under which the window's own defaults (sliding_window...) count."""
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_a_field_config_json_leaves_out_is_read_as_transformers_takes_it(family):
+    """Every field a family's rules read, left out of a config.json, means what the family's
+    transformers class takes for it, or the config is refused: Mixtral's RoPE theta (1e6) was
+    read as 10000, Qwen3-MoE's top-k (8) as 2, Qwen2-MoE's shared expert as none, several norm
+    epsilons as 1e-6, Gemma 2's soft-capping as none... (exit 0, other logits)."""
+    from converters.schemas.families import FAMILIES
+    from converters.schemas.hf import spec_from_config
+    from ckptool.core.errors import UnreadableInput
+
+    config_cls = getattr(transformers, f"{FAMILY_CONFIGS[family]}Config")
+    fields = {f for rule in FAMILIES[family].config for f in rule.fields}
+    for setting in ({}, WINDOWED.get(family)):
+        if setting is None:
+            continue
+        full = json.loads(config_cls(**setting).to_json_string(use_diff=False))
+        want = spec_from_config(full, family)
+        for name in sorted(fields & set(full) - set(setting)):
+            left_out = {k: v for k, v in full.items() if k != name}
+            try:
+                got = spec_from_config(left_out, family)
+            except UnreadableInput as exc:  # a field ckptool requires: refused, never guessed
+                assert "lacks" in str(exc), (name, exc)
+                continue
+            assert got == want, (family, name, full[name])
+
+
+LEFT_OUT = {
+    # name: (model, its config, the fields then left out, route)
+    "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6),
+                ("rope_parameters", "rope_theta", "rms_norm_eps"), "megatron"),
+    "qwen3_moe": ("Qwen3Moe", dict(num_experts=8, num_experts_per_tok=8, norm_topk_prob=False,
+                                   moe_intermediate_size=24, head_dim=8),
+                  ("num_experts_per_tok", "norm_topk_prob"), "megatron"),
+    "qwen2_moe": ("Qwen2Moe", dict(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=24,
+                                   shared_expert_intermediate_size=5632),
+                  ("num_experts_per_tok", "shared_expert_intermediate_size"), "megatron"),
+    "qwen3-head-dim": ("Qwen3", dict(head_dim=128), ("head_dim",), "megatron"),
+    "gemma2-softcaps": ("Gemma2", dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                       head_dim=8, query_pre_attn_scalar=8),
+                        ("attn_logit_softcapping", "final_logit_softcapping"), "dcp"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LEFT_OUT))
+def test_a_model_whose_config_json_leaves_fields_out_converts_with_its_logits(name, tmp_path, run_cli):
+    """The same models, end to end: transformers computes the same with the fields left out
+    (the premise), and so does the round trip through ckptool."""
+    model, config, left_out, route = LEFT_OUT[name]
+    made = save_hf(tmp_path / "made", getattr(transformers, f"{model}ForCausalLM"),
+                   getattr(transformers, f"{model}Config"), **config)
+    want = logits(made)
+    src = edit_config(made, tmp_path / "src", **{f: None for f in left_out})
+    assert (logits(src) - want).abs().max() < 1e-6  # transformers takes the same values
+    mid, back = tmp_path / "mid", tmp_path / "back"
+    r = run_cli("convert", src, mid, "--to", route, *(["--tp", "2"] if route == "megatron" else []))
+    assert r.code == 0, r.err
+    assert run_cli("convert", mid, back, "--to", "hf").code == 0
+    assert (logits(back) - want).abs().max() < 1e-5
+
+
+def test_rope_scaling_without_a_theta_takes_the_top_level_or_default_theta(tmp_path, run_cli):
+    """transformers 5 takes ``rope_scaling`` whole: with no theta in it, theta is the top-level
+    ``rope_theta``, else the class default, never the ``rope_parameters`` beside it (a file
+    transformers 5 saved, with a scaling added by hand). ckptool took rope_parameters' 3000."""
+    made = save_hf(tmp_path / "made", rope_parameters={"rope_type": "default", "rope_theta": 3000.0})
+    src = edit_config(made, tmp_path / "src", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    want = logits(src)
+    plain = save_hf(tmp_path / "plain", rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                         "rope_theta": 10000.0})
+    assert (logits(plain) - want).abs().max() < 1e-6  # what transformers runs: theta 10000
+    mid, back = tmp_path / "mid", tmp_path / "back"
+    assert run_cli("convert", src, mid, "--to", "dcp").code == 0
+    assert run_cli("convert", mid, back, "--to", "hf").code == 0
+    assert (logits(back) - want).abs().max() < 1e-5

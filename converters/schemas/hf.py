@@ -165,6 +165,7 @@ def uncarried_field(config: dict, family: str, target: str) -> tuple[str, object
     cannot express the value), neutral, or unknown (carried only where config.json is kept)."""
     table = _table(family)
     keeps = _keeps(config, table, target)
+    given, config = config, table.complete(config)  # a field left out means what transformers takes
     problems = {p.field: p for p in (r.problem(config) for r in table.config) if p is not None}
     for name, value in config.items():
         if name in _NEUTRAL or name.endswith(("dropout", "_pdrop")):
@@ -173,13 +174,14 @@ def uncarried_field(config: dict, family: str, target: str) -> tuple[str, object
         problem = problems.get(name)
         if rule is not None and problem is None:
             continue
+        left_out = "" if name in given else f" (config.json leaves it out: transformers takes {_short(value)})"
         if problem is not None and problem.schema:
             return name, problem.value, (f"ckptool's {family} schema holds {name} only as "
-                                         f"{problem.hint}, so no output can hold this model yet")
+                                         f"{problem.hint}, so no output can hold this model yet{left_out}")
         if keeps:
             continue
         keepers = [t for t in KEEPS_CONFIG if _keeps(config, table, t)]
-        hint = f"ckptool maps {name} to {target} only as {problem.hint}" if problem else \
+        hint = f"ckptool maps {name} to {target} only as {problem.hint}{left_out}" if problem else \
             f"ckptool does not map it to {target}"
         if keepers:
             hint += f"; --to {' or --to '.join(sorted(keepers))} keeps it as it is"

@@ -310,6 +310,21 @@ class Family:
     """The family's traits in words (for a refusal that names them)."""
     extra: dict = field(default_factory=dict)
     """Config fields written as they are (``hidden_act``...)."""
+    absent: dict = field(default_factory=dict)
+    """What the family's transformers config class (5.24) takes for a field ``config.json``
+    leaves out, where that is not what the rules assume alone (a value, or a function of the
+    config read so far). A file written by hand or by an older transformers often leaves them
+    out; read otherwise, the converted model computes something else (Mixtral's RoPE theta is
+    1e6, Qwen3-MoE routes to 8 experts, ...). ``tests/test_families.py`` checks it against the
+    installed transformers."""
+
+    def complete(self, config: dict) -> dict:
+        """``config`` with :attr:`absent`'s values for the fields it leaves out."""
+        out = dict(config)
+        for name, value in self.absent.items():
+            if name not in out:
+                out[name] = value(out) if callable(value) else value
+        return out
 
     def tensors(self, spec: ModelSpec, vocab: int) -> list[HfTensor]:
         """Every tensor of the HF model with the canonical regions it holds, in its
@@ -347,6 +362,7 @@ class Family:
         """The model a ``config.json`` of this family describes (KeyError, TypeError or
         ValueError when a required field is missing or not a number)."""
         values = dict(self.fixed)
+        config = self.complete(config)
         for rule in self.config:
             values.update(rule.read(config))
         return ModelSpec(**values)
@@ -354,10 +370,11 @@ class Family:
     def config_json(self, spec: ModelSpec, vocab: int, base: dict | None) -> dict:
         """The ``config.json`` for ``spec``: the family's fields from the spec, over the
         fields of a carried source config."""
+        kept = base is not None and base.get("model_type", self.model_types[0]) == self.model_types[0]
+        base = self.complete(base) if kept else base  # the values it left out are written as read
         out = dict(base or {})
         out.update(self.extra)
         out.update(architectures=[self.architecture], model_type=self.model_types[0])
-        kept = base is not None and base.get("model_type", self.model_types[0]) == self.model_types[0]
         for rule in self.config:
             if kept and rule.problem(base) is not None:
                 continue  # the spec holds this value only approximately: the source's fields stay

@@ -44,6 +44,7 @@ FAMILY = Family(
             Fixed("hidden_activation", (None, *_TANH), written=False),
             *fixed_false("attention_bias"), NOT_BIDIRECTIONAL, NO_WINDOW),
     traits="zero-centred RMSNorm, GeGLU, scaled embeddings and rotary positions",
+    absent=dict(max_position_embeddings=8192, num_key_value_heads=16),
 )
 
 
@@ -63,6 +64,16 @@ QUERY_SCALE = Feature(("query_pre_attn_scalar",),
                       lambda s, v, b: {"query_pre_attn_scalar": int(s.query_scale)
                                        if float(s.query_scale).is_integer() else s.query_scale})
 
+def _layer_types(config: dict, every) -> list[str] | None:
+    """The ``layer_types`` Gemma 2/3's transformers class derives when the file has none: a full
+    attention layer every ``every``-th, sliding ones between (None: no sane layer count, which
+    is then refused as a pattern ckptool cannot read)."""
+    n = config.get("num_hidden_layers")
+    if type(n) is not int or not 0 < n <= 1 << 12 or type(every) is not int or every < 1:
+        return None
+    return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+
+
 GEMMA2 = Family(
     name="gemma2", architecture="Gemma2ForCausalLM", model_types=("gemma2",),
     fixed=dict(GEMMA_CORE, norm_placement="sandwich"),
@@ -75,6 +86,9 @@ GEMMA2 = Family(
             _float_or_none("attn_logit_softcapping", "attn_softcap"),
             _float_or_none("final_logit_softcapping", "final_softcap")),
     traits="Gemma's, with norms after attention and the MLP, soft-capping and a window pattern",
+    absent=dict(max_position_embeddings=8192, num_key_value_heads=4, sliding_window=4096,
+                attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                layer_types=lambda c: _layer_types(c, 2)),
 )
 
 # --------------------------------------------------------------------------- Gemma 3
@@ -128,4 +142,6 @@ GEMMA3 = Family(
             *fixed_false("attention_bias"), NOT_BIDIRECTIONAL, WINDOW_PATTERN, QUERY_SCALE,
             IGNORED_SOFTCAP, _float_or_none("final_logit_softcapping", "final_softcap")),
     traits="Gemma 2's, with per-head QK norms and a RoPE theta per layer type",
+    absent=dict(max_position_embeddings=131072, num_key_value_heads=4, sliding_window=4096,
+                layer_types=lambda c: _layer_types(c, c.get("sliding_window_pattern", 6))),
 )

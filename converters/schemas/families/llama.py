@@ -31,4 +31,5 @@ FAMILY = Family(
     config=(*llama_sizes(), tie(False), ROPE, SILU, *fixed_false("attention_bias", "mlp_bias"),
             NO_WINDOW),
     traits="RMSNorm, SwiGLU and rotary positions",
+    absent=dict(max_position_embeddings=2048),
 )

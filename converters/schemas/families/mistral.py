@@ -13,4 +13,5 @@ FAMILY = Family(
     final=FINAL, head="lm_head.weight",
     config=(*llama_sizes(), tie(False), ROPE, SILU, window()),
     traits="RMSNorm, SwiGLU, rotary positions and a sliding window",
+    absent=dict(max_position_embeddings=131072, num_key_value_heads=8, sliding_window=4096),
 )

@@ -35,4 +35,6 @@ FAMILY = Family(
     config=(*[r for r in llama_sizes() if "intermediate_size" not in r.fields], *EXPERTS,
             tie(False), ROPE, SILU, window()),
     traits="Mistral's, with a Mixture-of-Experts MLP",
+    absent=dict(max_position_embeddings=131072, num_key_value_heads=8, rms_norm_eps=1e-5,
+                rope_theta=1e6),
 )

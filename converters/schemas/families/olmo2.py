@@ -26,4 +26,5 @@ FAMILY = Family(
     final=FINAL, head="lm_head.weight",
     config=(*llama_sizes(head_dim=False), tie(False), ROPE, SILU, *fixed_false("attention_bias"), NO_WINDOW),
     traits="RMSNorm after attention and the MLP only, and q/k norms over the whole projection",
+    absent=dict(max_position_embeddings=2048, rms_norm_eps=1e-5),
 )

@@ -22,4 +22,5 @@ FAMILY = Family(
     final=FINAL, head="lm_head.weight",
     config=(*llama_sizes(), tie(False), ROPE, SILU, window(), ORIGINAL_CONTEXT),
     traits="RMSNorm, SwiGLU and rotary positions, fused qkv_proj and gate_up_proj",
+    absent=dict(max_position_embeddings=4096, rms_norm_eps=1e-5),
 )

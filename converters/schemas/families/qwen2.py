@@ -18,4 +18,6 @@ FAMILY = Family(
     final=FINAL, head="lm_head.weight",
     config=(*llama_sizes(), tie(False), ROPE, SILU, window(qwen="qwen2")),
     traits="RMSNorm, SwiGLU, rotary positions and a QKV bias",
+    absent=dict(max_position_embeddings=32768, num_key_value_heads=32, sliding_window=4096,
+                max_window_layers=28),
 )

@@ -27,15 +27,14 @@ def _shared(config: dict) -> dict:
     return {"moe_shared_expert_size": int(size) if size else None, "moe_shared_expert_gate": bool(size)}
 
 
-def qwen_experts(norm_topk_default: bool) -> tuple:
-    """The MoE config rules Qwen2-MoE and Qwen3-MoE share (``norm_topk_prob``'s default
-    differs: false in Qwen2-MoE, true in Qwen3-MoE). Every layer MoE; the aux loss is
-    training-only."""
+def qwen_experts() -> tuple:
+    """The MoE config rules Qwen2-MoE and Qwen3-MoE share (what each takes for a field left out
+    is the family's ``absent``). Every layer MoE; the aux loss is training-only."""
     return (
-        Mapped("num_experts_per_tok", "moe_router_topk", default=2),
+        Mapped("num_experts_per_tok", "moe_router_topk"),
         Mapped("moe_intermediate_size", "moe_ffn_hidden_size"),
         Feature(("norm_topk_prob",),
-                lambda c: {"moe_router_pre_softmax": not c.get("norm_topk_prob", norm_topk_default)},
+                lambda c: {"moe_router_pre_softmax": not c.get("norm_topk_prob", False)},
                 lambda s, v, b: {"norm_topk_prob": not s.moe_router_pre_softmax}),
         Feature(("intermediate_size",), lambda c: {"ffn_hidden_size": int(c["intermediate_size"])},
                 lambda s, v, b: {"intermediate_size": s.ffn}),  # the dense MLP of mlp_only_layers: none
@@ -47,7 +46,7 @@ def qwen_experts(norm_topk_default: bool) -> tuple:
 
 EXPERTS = (
     Mapped("num_experts", "num_experts"),
-    *qwen_experts(norm_topk_default=False),
+    *qwen_experts(),
     Feature(("shared_expert_intermediate_size",), _shared,
             lambda s, v, b: {"shared_expert_intermediate_size": s.moe_shared_expert_size or 0}),
     Fixed("qkv_bias", (True, None)),
@@ -63,4 +62,6 @@ FAMILY = Family(
     config=(*[r for r in llama_sizes() if "intermediate_size" not in r.fields], *EXPERTS,
             tie(False), ROPE, SILU, window(qwen="qwen2_moe")),
     traits="Qwen2's attention, a MoE MLP with a gated shared expert",
+    absent=dict(max_position_embeddings=32768, num_key_value_heads=16, sliding_window=4096,
+                max_window_layers=28, num_experts_per_tok=4, shared_expert_intermediate_size=5632),
 )

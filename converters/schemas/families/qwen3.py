@@ -31,4 +31,6 @@ FAMILY = Family(
     final=FINAL, head="lm_head.weight",
     config=(*llama_sizes(), tie(False), ROPE, SILU, window(qwen="qwen2"), *fixed_false("attention_bias")),
     traits="RMSNorm, SwiGLU, rotary positions and QK norms",
+    absent=dict(max_position_embeddings=32768, num_key_value_heads=32, head_dim=128,
+                sliding_window=4096, max_window_layers=28),
 )

@@ -15,7 +15,7 @@ VOCAB = Feature(("vocab_size",), lambda c: {"vocab_size": int(c["vocab_size"])},
 
 def llama_sizes(head_dim: bool | int = True, norm_eps: str = "rms_norm_eps") -> tuple[Rule, ...]:
     """The sizes every Llama-style config names the same way. ``head_dim``: the family reads
-    the field (an int: its default when absent, as Qwen3's 128 and Gemma's 256; True:
+    the field (an int: its default when absent, as Gemma's 256; True:
     hidden / heads), or not at all (False: OLMo 2 derives hidden / heads)."""
     default = head_dim if head_dim is not True and head_dim is not False else None
     dim = Feature(("head_dim",), lambda c: _read_head_dim(c, default),
@@ -90,8 +90,9 @@ def _rope_type(params: dict):
 
 def _read_rope(config: dict) -> dict:
     _, params = _rope_params(config)
-    newer = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
-    theta = params.get("rope_theta") or newer.get("rope_theta") or config.get("rope_theta") or 10000.0
+    # transformers 5 takes rope_scaling whole when it is set: its theta, else the top-level
+    # rope_theta, else the class's (the family's ``absent``); never rope_parameters' beside it
+    theta = params.get("rope_theta") or config.get("rope_theta") or 10000.0
     out = {"rotary_base": float(theta)}
     kind = _rope_type(params)
     if kind == "llama3" and not _rope_problem(config):
