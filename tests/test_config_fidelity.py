@@ -726,3 +726,16 @@ def test_rope_scaling_without_a_theta_takes_the_top_level_or_default_theta(tmp_p
     assert run_cli("convert", src, mid, "--to", "dcp").code == 0
     assert run_cli("convert", mid, back, "--to", "hf").code == 0
     assert (logits(back) - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("edit", [dict(decoder_sparse_step=2), dict(mlp_only_layers=[1])])
+def test_a_moe_with_dense_layers_is_refused_naming_the_field(edit, tmp_path, run_cli):
+    """Qwen2-MoE with dense MLP layers (``decoder_sparse_step`` 2, ``mlp_only_layers``) has tensors
+    the table lacks: refused naming the field (exit 2), where the reader failed first with
+    "N tensors are missing" (exit 1)."""
+    src = save_hf(tmp_path / "src", transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig,
+                  **MOE, **edit)
+    dst = tmp_path / "dst"
+    r = run_cli("convert", src, dst, "--to", "dcp")
+    assert r.code == 2 and next(iter(edit)) in r.err and len(r.err.strip().splitlines()) == 1, r.err
+    assert not dst.exists()

@@ -202,3 +202,37 @@ def test_hf_output_refuses_model_parallel_targets(llama, tmp_path, run_cli):
     assert r.code == 2 and "not model-parallel" in r.err
     r = run_cli("convert", root, tmp_path / "out", "--to", "dcp", "--max-shard-size", "1GB")
     assert r.code == 2 and "--max-shard-size" in r.err
+
+
+@pytest.mark.parametrize("extra,refused", [
+    ({"v_head.summary.weight": (1, 32)}, True),  # a value head saved in the same file
+    ({"model.layers.{n}.self_attn.q_proj.weight": (32, 32)}, True),  # a layer beyond num_hidden_layers
+    ({"model.layers.0.self_attn.rotary_emb.inv_freq": (4,)}, False),  # a buffer old saves kept
+])
+def test_stored_tensors_without_a_place_in_the_family_are_refused_not_dropped(extra, refused, llama,
+                                                                              tmp_path, run_cli):
+    """A tensor the family's table has no place for used to be left out of every output, exit 0
+    and not a word (41 tensors in, 39 out). Now conversions refuse it naming it (exit 2, nothing
+    written); inspect and verify read the checkpoint and inspect says why it will not convert.
+    Buffers every transformers recomputes (RoPE's inv_freq) are no weights: not refused."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(llama[0], src)
+    state = load_file(src / "model.safetensors")
+    n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    added = {k.format(n=n): torch.randn(shape) for k, shape in extra.items()}
+    save_file({**state, **added}, src / "model.safetensors", metadata={"format": "pt"})
+    for fmt in ("dcp", "megatron", "hf"):
+        dst = tmp_path / fmt
+        r = run_cli("convert", src, dst, "--to", fmt)
+        if not refused:
+            assert r.code == 0, r.err
+            continue
+        assert r.code == 2 and "have no place in a llama model" in r.err and next(iter(added)) in r.err, r.err
+        assert len(r.err.strip().splitlines()) == 1 and not dst.exists()
+    assert run_cli("verify", src).code == 0
+    report = json.loads(run_cli("inspect", src, "--json").out)
+    assert any("no place" in w for w in report["warnings"]) == refused, report["warnings"]

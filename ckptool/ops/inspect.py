@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ckptool.checkpoints.open import open_checkpoint, unsafe_pickles
 from ckptool.core.optimizer import PREFIX
 from ckptool.core.safe_pickle import trusted
+from converters.schemas.hf import HfModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,10 @@ def inspect(url: str, *, top: int = 10) -> InspectResult:
     warnings = [] if trusted() else [f.error().one_line() for f in unsafe_pickles(opened)]
     if index.contradicts:  # read and resharded as it is; conversions refuse it
         warnings.append(f"{index.contradicts}; conversions refuse it")
+    model = index.layout(HfModel)
+    if model is not None and model.unplaced:
+        warnings.append(f"{len(model.unplaced)} stored tensors have no place in a {model.family} model "
+                        f"(e.g. {', '.join(model.unplaced[:3])}); conversions refuse it")
     return InspectResult(
         path=opened.store.url, format=opened.format, format_version=index.format_version,
         committed=committed, topology=index.topology.to_dict() if index.topology else None,

@@ -48,6 +48,8 @@ from converters.schemas.hf import (
     family_of_config,
     hf_tensors,
     spec_from_config,
+    uncarried_field,
+    unplaced_tensors,
 )
 
 torch = lazy("torch", globals())
@@ -110,10 +112,16 @@ class HfReader(Reader):
         table = hf_tensors(spec, family, spec.vocab_size)
         view = remap(stored, table)
         if view.missing:
+            lost = uncarried_field(config, family, NAME)  # a field the table assumes otherwise
+            if lost is not None:
+                name, value, hint = lost
+                raise UsageError(f"config.json field {name}={str(value)[:80]} is not a {family} model "
+                                 f"ckptool lays out", path=store.display(CONFIG), hint=hint)
             raise BadCheckpoint(f"{len(view.missing)} tensors of a {family} model are missing, e.g. "
                                 f"{', '.join(view.missing[:3])}", path=store.url)
-        stored.set_layout(HfModel(config, family))
-        view.index.set_layout(HfModel(config, family))
+        model = HfModel(config, family, unplaced=unplaced_tensors(view.unused, spec, family))
+        stored.set_layout(model)
+        view.index.set_layout(model)
         return stored, view.index, table
 
     def _weight_map(self, store: Store) -> dict[str, str]:

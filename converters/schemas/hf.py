@@ -35,6 +35,9 @@ class HfModel:
     config: dict
     family: str | None
     aliases: dict = field(default_factory=dict)
+    unplaced: tuple[str, ...] = ()
+    """Stored tensors the family's table has no place for (a value head, a layer beyond
+    ``num_hidden_layers``): read and verified, never dropped by a conversion."""
 
 
 FAMILIES = tuple(TABLES)
@@ -214,6 +217,12 @@ def refuse_uncarried_config(index: CheckpointIndex, target: str) -> None:
         raise UsageError(f"config.json field {name}={_short(value)} is not carried to {target} "
                          "output by ckptool yet, so the converted model would compute differently",
                          path=index.url, hint=f"{hint}; nothing was written")
+    if model.unplaced:  # after the fields: one the table reads otherwise (a bias flag) explains them
+        raise UsageError(f"{len(model.unplaced)} stored tensors have no place in a {model.family} model, "
+                         f"e.g. {', '.join(model.unplaced[:3])}: {target} output would drop them",
+                         path=index.url, hint="transformers ignores them too when it loads the "
+                         f"{_table(model.family).architecture}; remove them from the checkpoint to "
+                         "convert it, or check --model-family; nothing was written")
 
 
 def _short(value) -> str:
@@ -238,7 +247,7 @@ def named_view(index: CheckpointIndex, config: dict, family: str | None, where: 
     if prefix:
         entries = [replace(e, name=prefix + e.name) for e in entries]
     view = remap(index, entries, prefixes)
-    stray = [k for k in view.unused if k in model]
+    stray = unplaced_tensors([k for k in view.unused if k in model], spec, family)
     if view.missing:
         found = ", ".join(sorted(index.tensors)[:3]) or "nothing"
         raise UsageError(f"the tensors are not a {family} model's ({len(view.missing)} of its "
@@ -252,6 +261,18 @@ def named_view(index: CheckpointIndex, config: dict, family: str | None, where: 
     out.model_config, out.true_vocab_size = asdict(spec), spec.vocab_size
     out.set_layout(HfModel(config, family))
     return out
+
+
+_BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+"""Buffers older transformers saved beside the weights (RoPE's inverse frequencies, GPT-2's
+causal mask), which every version recomputes: no weight is lost without them."""
+
+
+def unplaced_tensors(unused: list[str], spec: ModelSpec, family: str) -> tuple[str, ...]:
+    """Of the stored tensors a family's table did not place (``unused``), those that hold
+    weights: not a recomputed buffer, nor the tied output layer a save kept beside its owner."""
+    tied = tied_aliases(spec, family)
+    return tuple(k for k in unused if k not in tied and not k.endswith(_BUFFERS))
 
 
 def known_family(config: dict) -> str | None:
@@ -273,4 +294,4 @@ def stored_view(index: CheckpointIndex, config: dict, aliases: dict[str, str]) -
 __all__ = ["CONFIG", "HfModel", "FAMILIES", "KEEPS_CONFIG", "hf_tensors", "family_of",
            "tied_aliases", "spec_from_config", "config_for", "family_of_config", "named_view",
            "known_family", "stored_view",
-           "uncarried_field", "refuse_uncarried_config"]
+           "uncarried_field", "refuse_uncarried_config", "unplaced_tensors"]
