@@ -250,6 +250,16 @@ CASES = [
     Case("manifest-metadata-unlisted", "sealed", lambda c: _edit_manifest(
         c, lambda m: m.update(files=[f for f in m["files"] if f["path"] != ".metadata"])),
          "not in the manifest, so no checksum", commands=[["verify"], ["verify", "--deep"]]),
+    # ---- metadata files far larger than any real one (zeros after the document: sparse, no disk);
+    # each was read whole: 3 GB of RSS and a minute, or MemoryError, exit 2
+    Case("manifest-sparse", "sealed", lambda c: os.truncate(c.ckpt / "ckptool.json", 300 << 20),
+         "more than any such file ckptool reads"),
+    Case("hf-config-sparse", "hf", lambda c: os.truncate(c.ckpt / "config.json", 300 << 20),
+         "more than any such file ckptool reads"),
+    Case("hf-index-sparse", "hf", lambda c: os.truncate(c.ckpt / "model.safetensors.index.json", 300 << 20),
+         "more than any such file ckptool reads"),
+    Case("dcp-metadata-sparse", "dcp", lambda c: os.truncate(c.ckpt / ".metadata", 300 << 20),
+         "more than all the data it describes"),
     # ---- pointers to what is not there
     Case("megatron-tracker-missing", "megatron",
          lambda c: (c.ckpt / "latest_checkpointed_iteration.txt").write_text("99"),

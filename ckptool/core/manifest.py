@@ -167,7 +167,7 @@ def read_manifest(store: Store) -> Manifest | None:
     """The manifest of ``store``, or None if it has none (not committed, or foreign)."""
     if not store.exists(MANIFEST):
         return None
-    return Manifest.from_json(store.read_bytes(MANIFEST), store.display(MANIFEST))
+    return Manifest.from_json(store.read_small(MANIFEST, 256 << 20), store.display(MANIFEST))
 
 
 def write_manifest(store: Store, manifest: Manifest) -> None:

@@ -335,6 +335,19 @@ class Store:
         except FileNotFoundError:
             raise UnreadableInput("file not found", path=_join_url(self.url, rel)) from None
 
+    def read_small(self, rel: str, limit: int = 64 << 20) -> bytes:
+        """The whole of a metadata file (a JSON document: ``config.json``, an index, a manifest)
+        that holds at most ``limit`` bytes; a larger one (a damaged or crafted file, 3 GB of
+        zeros after its JSON) is refused before it is read, not allocated and parsed."""
+        size = self.size(rel)
+        data = self.read_bytes(rel, 0, limit + 1) if size <= limit else b""
+        if size > limit or len(data) > limit:
+            raise BadCheckpoint(f"{posixpath.basename(rel) or 'the file'} is {size} bytes, more than "
+                                f"any such file ckptool reads "
+                                f"({limit >> 20} MiB): damaged, or not what its name says",
+                                path=self.display(rel))
+        return data
+
     def range_reader(self, rel: str) -> "RangeReader":
         """A reader of byte ranges of one file that keeps it open (pread when local)."""
         return RangeReader(self, rel)

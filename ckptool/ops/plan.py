@@ -222,7 +222,7 @@ def model_from(path: str) -> tuple[ModelSpec, Topology | None]:
 
     store = Store.open(path)
     if not store.isdir() and store.exists():
-        config = json_object(store.read_bytes(""), path, "--model (neither a checkpoint directory nor "
+        config = json_object(store.read_small(""), path, "--model (neither a checkpoint directory nor "
                              "a JSON config)", UsageError)
         return _spec_from_json(config, path), None
 

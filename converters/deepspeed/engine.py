@@ -850,5 +850,5 @@ class DeepSpeedWriter(Writer):
     def config_json(self) -> bytes | None:
         """The ``config.json`` written beside ``latest``: the source's, if it has one."""
         if self._source_store is not None and self._source_store.exists(CONFIG):
-            return self._source_store.read_bytes(CONFIG)
+            return self._source_store.read_small(CONFIG)
         return None

@@ -277,7 +277,7 @@ class UniversalWriter(Writer):
     def bind(self, opened) -> None:
         """An HF Trainer run's config.json goes beside ``latest_universal`` too."""
         if opened.store.exists(CONFIG):
-            self._config = opened.store.read_bytes(CONFIG)
+            self._config = opened.store.read_small(CONFIG)
 
     def target_topology(self, source: Topology, changes: dict) -> Topology:
         if changes:

@@ -340,7 +340,7 @@ class ZeroReader(TorchFileReader):
                 raise UnreadableInput(f"cannot read the model config ({exc.strerror})",
                                       path=where) from None
         elif store.exists(CONFIG):
-            where, raw = store.display(CONFIG), store.read_bytes(CONFIG)
+            where, raw = store.display(CONFIG), store.read_small(CONFIG)
         else:
             return None
         config = json_object(raw, where, "the model config")

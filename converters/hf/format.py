@@ -94,7 +94,7 @@ class HfReader(Reader):
 
     def _stored(self, store: Store) -> tuple[CheckpointIndex, CheckpointIndex, list[HfTensor]]:
         """(the index under stored names, the canonical index, the family's table)."""
-        config = json_object(store.read_bytes(CONFIG), store.display(CONFIG), "config.json")
+        config = json_object(store.read_small(CONFIG), store.display(CONFIG), "config.json")
         family = family_of_config(config, self.model_family, store.display(CONFIG))
         spec = spec_from_config(config, family)
         weight_map = self._weight_map(store)
@@ -127,7 +127,7 @@ class HfReader(Reader):
     def _weight_map(self, store: Store) -> dict[str, str]:
         if store.exists(INDEX):
             try:
-                weight_map = dict(json.loads(store.read_bytes(INDEX))["weight_map"])
+                weight_map = dict(json.loads(store.read_small(INDEX))["weight_map"])
             except (ValueError, KeyError, TypeError, RecursionError):
                 raise BadCheckpoint("model.safetensors.index.json has no weight_map",
                                     path=store.display(INDEX)) from None

@@ -45,7 +45,7 @@ def metadata(store: Store, rel: str = "") -> dict | None:
     if not store.exists(path):
         return None
     try:
-        meta = json.loads(store.read_bytes(path))
+        meta = json.loads(store.read_small(path))
     except (ValueError, RecursionError):
         return None
     return meta if isinstance(meta, dict) and "sharded_backend" in meta else None

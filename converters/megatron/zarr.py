@@ -221,7 +221,7 @@ def _read_zarray(store: Store, rel: str) -> tuple[tuple[int, ...], torch.dtype, 
     """(shape, dtype, chunk layout, dimension separator) from a zarr v2 ``.zarray``."""
     source = store.display(rel)
     try:
-        meta = json.loads(store.read_bytes(rel))
+        meta = json.loads(store.read_small(rel))
         shape, chunks = tuple(int(n) for n in meta["shape"]), tuple(int(n) for n in meta["chunks"])
         fmt, order, dtype_str = meta["zarr_format"], meta.get("order", "C"), meta["dtype"]
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
