@@ -336,3 +336,19 @@ def test_an_archive_whose_parse_reads_much_is_opened_but_not_kept():
     archive = layouts.open(lambda a, b: raw[a:b], len(raw), "big")
     assert torch.equal(archive.read_elements(archive.obj["w"], 0, 4), torch.arange(4.0))
     assert not any(layouts._by_size.values())
+
+
+def test_a_dangling_symlink_as_destination_is_refused_before_writing_or_replaced(tmp_path, make_ckpt, run_cli):
+    """DST a symlink to nothing: exists() said no, so everything was written, and the rename onto
+    the link failed, leaving the whole output in DST.tmp-* (exit 2, "Not a directory")."""
+    import os
+
+    src = make_ckpt(tmp_path / "src")
+    dst = tmp_path / "dst"
+    os.symlink(tmp_path / "nowhere", dst)
+    r = run_cli("convert", src, dst, "--to", "dcp")
+    assert r.code == 2 and "is a symlink to" in r.err and "does not exist" in r.err, r.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"] and dst.is_symlink()
+    assert run_cli("convert", src, dst, "--to", "dcp", "--overwrite").code == 0
+    assert not dst.is_symlink() and run_cli("verify", dst, "--deep").code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]

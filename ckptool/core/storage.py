@@ -671,7 +671,12 @@ def atomic_output(url: str, *, overwrite: bool = False, resume_key: str | None =
     recognised by the key file written into it. ``durable=False``: see :attr:`Store.durable`.
     """
     final = replace(Store.open(url), durable=durable)
-    if final.exists():
+    dangling = final.is_local and os.path.islink(final.root) and not final.exists()
+    if dangling and not overwrite:  # the rename would fail at the end, leaving the whole output
+        raise UsageError(f"destination {final.url} is a symlink to {os.readlink(final.root)}, which "
+                         "does not exist", hint="Give the path to write at, or pass --overwrite to "
+                         "replace the link")
+    if final.exists() or dangling:
         resumable = (resume_key is not None and not final.is_local and not final.exists("ckptool.json")
                      and final.exists(RESUME_KEY_FILE)
                      and final.read_bytes(RESUME_KEY_FILE).decode() == resume_key)
