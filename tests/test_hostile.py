@@ -829,3 +829,19 @@ def test_the_parse_cap_is_set_only_where_no_other_thread_works():
     assert capped[0] != resource.RLIM_INFINITY and capped[0] < (before[0] if before[0] != resource.RLIM_INFINITY
                                                                 else 1 << 62)
     assert beside_a_worker == before and resource.getrlimit(resource.RLIMIT_AS) == before
+
+
+@pytest.mark.parametrize("text", ["global_step2/", "./global_step2", "global_step2//"])
+def test_a_pointer_in_another_spelling_names_the_same_directory(text, sources, tmp_path, run_cli):
+    """DeepSpeed's loader takes ``latest`` holding ``global_step2/``; verify reported each rank
+    file missing (``global_step2//...``) while inspect and convert read it, so ``latest``
+    skipped a checkpoint that converts."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(sources["deepspeed"], ckpt)
+    (ckpt / "latest").write_text(text)
+    assert run_cli("verify", ckpt, "--deep").code == 0
+    assert run_cli("latest", tmp_path).out.strip() == str(ckpt)
+    assert run_cli("convert", ckpt, tmp_path / "out", "--to", "dcp").code == 0
+    (ckpt / "latest").write_text(".")
+    r = run_cli("verify", ckpt)
+    assert r.code == 1 and "names no checkpoint" in r.out, r.out

@@ -534,6 +534,9 @@ def pointed_dir(store: Store, pointer: str, name_of: Callable[[str], str | None]
         return None
     text = store.read_bytes(pointer, 0, _POINTER_BYTES).decode(errors="replace").strip()
     name = name_of(text) if text else None
+    if name and path_problem(name) is None:  # `global_step2/`, `./global_step2`: that directory
+        name = posixpath.normpath(name)
+        name = None if name == "." else name
     if not name:
         raise BadCheckpoint(f"{pointer} holds {text[:60]!r}, which names no checkpoint",
                             path=store.display(pointer), hint="Fix or remove the file")
