@@ -239,6 +239,18 @@ CASES = [
         c, lambda m: m["files"][0].update(size=-1)), "has size -1"),
     Case("manifest-entry-hash", "sealed", lambda c: _edit_manifest(
         c, lambda m: m["files"][0].update(xxh3_128="abc")), "has no xxh3-128 hash"),
+    Case("manifest-topology-zero", "sealed", lambda c: _edit_manifest(  # exit 2, no file named
+        c, lambda m: m["topology"].update(tp=0)), "must be a positive integer"),
+    # each of these verify refused, and reshard and convert wrote a new checkpoint from
+    Case("manifest-files-dict", "sealed", lambda c: _edit_manifest(c, lambda m: m.update(files={})),
+         "files is dict, not a list"),
+    Case("manifest-entry-empty-path", "sealed", lambda c: _edit_manifest(
+        c, lambda m: m["files"].append(dict(path="", size=0, xxh3_128="0" * 32))), "names no file"),
+    Case("manifest-entry-huge-size", "sealed", lambda c: _edit_manifest(
+        c, lambda m: m["files"][0].update(size=10 ** 40)), "has size 1000"),
+    Case("manifest-lists-absent-file", "sealed", lambda c: _edit_manifest(
+        c, lambda m: m["files"].append(dict(path="notes.txt", size=5, xxh3_128="0" * 32))),
+         "notes.txt", codes={"inspect": 0}),  # inspect reads no listed file
     Case("manifest-true-vocab-bool", "sealed", lambda c: _edit_manifest(  # isinstance(True, int)
         c, lambda m: m.update(true_vocab_size=True)), "field true_vocab_size is True"),
     # a data file dropped from the manifest, then damaged: no hash covered it (verify said OK)
@@ -748,7 +760,7 @@ def test_a_manifest_topology_beyond_any_job_is_refused(sources, tmp_path, run_cl
     edit_manifest(ckpt / "ckptool.json", lambda m: m["topology"].update(tp=1 << 31))
     with _AddressSpace():
         r = run_cli("reshard", ckpt, tmp_path / "dst", "--to-dp", "2")
-    assert r.code == 2 and len(r.err.strip().splitlines()) == 1 and "beyond any job" in r.err, r.err
+    assert r.code == 1 and len(r.err.strip().splitlines()) == 1 and "beyond any job" in r.err, r.err
     assert not (tmp_path / "dst").exists()
 
 

@@ -92,9 +92,9 @@ def _judge(store: Store, full: bool, named: bool = True) -> tuple[str | None, st
             if index.written_by_ckptool:
                 return "not committed: ckptool.json is missing", fmt, None
         if manifest is not None and not full:  # no hashing, but every file there, whole
-            for entry, size in manifest.size_mismatches(store.files()).values():
-                what = "missing" if size is None else f"{size} bytes, the manifest says {entry.size}"
-                return f"{entry.path} is {what} (sizes checked, not hashes: --no-verify)", fmt, None
+            problem = manifest.size_problem(store.files())
+            if problem is not None:
+                return f"{problem} (sizes checked, not hashes: --no-verify)", fmt, None
         iteration = manifest.iteration if manifest and manifest.iteration is not None else \
             iteration_from_name(store.name) if named else None
         return None, fmt, iteration

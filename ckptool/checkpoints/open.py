@@ -245,6 +245,11 @@ def require_committed(opened: Opened) -> None:
                             "and the checkpoint may be partial", path=opened.store.url,
                             hint="Use a committed checkpoint (ckptool latest ROOT names the newest); "
                                  "nothing was written")
+    if opened.manifest is not None:  # every listed file there at its size (no byte read: verify hashes)
+        problem = opened.manifest.size_problem(opened.store.files())
+        if problem is not None:
+            raise BadCheckpoint(problem, path=opened.store.url,
+                                hint="`ckptool verify` names everything that is wrong; nothing was written")
 
 
 def merge_manifest(index: CheckpointIndex, manifest: Manifest | None) -> CheckpointIndex:

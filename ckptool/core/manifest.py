@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 import xxhash
 
 from ckptool.core import VERSION
-from ckptool.core.errors import BadCheckpoint
+from ckptool.core.errors import BadCheckpoint, TopologyError
 from ckptool.core.scan import SCAN_BLOCK, FileScan
 from ckptool.core.storage import (
     Store,
@@ -29,6 +29,7 @@ from ckptool.core.storage import (
     pread_blocks,
     write_file_atomically,
 )
+from ckptool.core.topology import Topology
 
 MANIFEST = "ckptool.json"
 MANIFEST_VERSION = 1
@@ -98,6 +99,8 @@ class Manifest:
                     "manifest does not match its own checksum: it was edited or damaged after commit",
                     path=source, hint="Use another checkpoint (`ckptool latest ROOT` finds the newest "
                     "valid one), or restore this one from a copy")
+            if not isinstance(data["files"], list):
+                raise ValueError(f"files is {type(data['files']).__name__}, not a list")
             files = [_entry(f) for f in data["files"]]
             if len({f.path for f in files}) != len(files):
                 raise ValueError("a file is listed twice")
@@ -105,9 +108,13 @@ class Manifest:
             for name, value in known.items():
                 if not isinstance(value, _FIELD_TYPES.get(name, object)):
                     raise ValueError(f"field {name} is {type(value).__name__}")
-            if isinstance(known.get("topology"), dict) and not all(
-                    type(v) is int and v >= 0 for v in known["topology"].values()):
-                raise ValueError("topology sizes are not numbers")
+            if isinstance(known.get("topology"), dict):
+                if not all(type(v) is int and v >= 0 for v in known["topology"].values()):
+                    raise ValueError("topology sizes are not numbers")
+                try:
+                    Topology.from_dict(known["topology"])
+                except TopologyError as exc:
+                    raise ValueError(f"topology: {exc.message}") from None
             for name in ("true_vocab_size", "iteration"):  # a bool is an int to isinstance
                 value = known.get(name)
                 if value is not None and (type(value) is not int or value < (name == "true_vocab_size")):
@@ -132,6 +139,14 @@ class Manifest:
         -> (entry, the size there, None when missing). No byte is read."""
         return {e.path: (e, actual.get(e.path)) for e in self.files if actual.get(e.path) != e.size}
 
+    def size_problem(self, actual: dict[str, int]) -> str | None:
+        """The first of :meth:`size_mismatches` in words ("x is missing", "x is 3 bytes, the
+        manifest says 8"), or None."""
+        for entry, size in self.size_mismatches(actual).values():
+            return f"{entry.path} is " + ("missing" if size is None else
+                                         f"{size} bytes, the manifest says {entry.size}")
+        return None
+
     def file_map(self) -> dict[str, FileEntry]:
         return {f.path: f for f in self.files}
 
@@ -154,9 +169,11 @@ def _entry(item) -> FileEntry:
     """One well-formed file entry: a relative path inside the checkpoint, a size, a hash."""
     path, size, digest = item["path"], item["size"], item["xxh3_128"]
     problem = path_problem(path)
+    if problem is None and (not path or path.endswith("/") or path.split("/")[-1] in (".", "")):
+        problem = "names no file"
     if problem is not None:
         raise ValueError(f"file entry {str(path)[:80]!r} {problem}")
-    if type(size) is not int or size < 0:
+    if type(size) is not int or not 0 <= size < 1 << 63:
         raise ValueError(f"file entry {path!r} has size {str(size)[:20]}")
     if not isinstance(digest, str) or len(digest) != 32 or not set(digest) <= _HEX:
         raise ValueError(f"file entry {path!r} has no xxh3-128 hash ({str(digest)[:40]!r})")
