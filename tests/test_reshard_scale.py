@@ -341,3 +341,34 @@ def test_every_new_directory_is_fsynced_before_the_commit(megatron_source, tmp_p
     assert len(nested) > 4  # iter_0000100 and its mp_rank_* directories
     assert all(any(p.endswith("/" + d) and ".tmp-" in p for p in synced) for d in nested)
     assert any(p.endswith("/latest_checkpointed_iteration.txt") for p in synced)  # small files too
+
+
+def test_a_foreign_source_saved_again_before_the_rerun_is_another_job(tmp_path, run_cli):
+    """A source without a manifest (plain torch DCP here; Megatron, DeepSpeed) that its job
+    saved again, in place and at the same sizes, between a killed reshard and its re-run: the
+    re-run kept the target files written from the old values (7 of 10 in a Megatron run), exit
+    0, verify OK. Its key now covers each source file's size and modification time."""
+    import torch.distributed.checkpoint as tdcp
+
+    def save(seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        state = {f"layers.{i}.w": torch.randn(2048, 256, generator=g) for i in range(16)}
+        tdcp.save(state, checkpoint_id=str(src))
+        return state
+
+    src = tmp_path / "src"
+    save(1)
+    dst = tmp_path / "out"
+    proc = _slow_reshard(src, dst)
+    while proc.poll() is None and not list(tmp_path.glob("out.tmp-*/.ckptool-done*")):
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert list(tmp_path.glob("out.tmp-*/.ckptool-done*"))
+    time.sleep(0.01)  # a later modification time, even on a coarse clock
+    state = save(2)
+    r = run_cli("reshard", src, dst, "--to-dp", "16", "--workers", "1", "--json")
+    assert r.code == 0 and json.loads(r.out)["reused_files"] == 0, r.out
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    tdcp.load(loaded, checkpoint_id=str(dst))
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())

@@ -335,6 +335,20 @@ class Store:
         except FileNotFoundError:
             raise UnreadableInput("file not found", path=_join_url(self.url, rel)) from None
 
+    def stamp(self, rel: str) -> tuple:
+        """What changes when the file ``rel`` is written again: size and modification time (and
+        inode) locally, size and ETag or modification time on an object store; () when missing."""
+        self.contained(rel)
+        try:
+            if self.is_local:
+                st = os.stat(self.path(rel))
+                return st.st_size, st.st_mtime_ns, st.st_ino
+            info = self.fs.info(self.path(rel))
+        except (FileNotFoundError, NotADirectoryError):
+            return ()
+        return (info.get("size"), str(info.get("ETag") or info.get("etag") or info.get("mtime")
+                                      or info.get("LastModified") or info.get("last_modified")))
+
     def read_small(self, rel: str, limit: int = 64 << 20) -> bytes:
         """The whole of a metadata file (a JSON document: ``config.json``, an index, a manifest)
         that holds at most ``limit`` bytes; a larger one (a damaged or crafted file, 3 GB of
