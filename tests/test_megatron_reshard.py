@@ -331,3 +331,18 @@ def test_uneven_pipeline_split_on_request(llama_tp2, tmp_path, run_cli):
     a, b = _tensors(src), _tensors(back)
     assert all(torch.equal(a[f][k], b[f][k]) for f in a for k in a[f])
     assert _close(H.load_logits(H.LLAMA, 2, 1, back), ref)
+
+
+def test_a_true_vocab_size_that_contradicts_the_checkpoint_is_refused(gpt_tp1, tmp_path, run_cli):
+    """Once a checkpoint records its vocabulary (ckptool writes it into the args; Megatron's own
+    args.vocab_size), ``--true-vocab-size`` smaller dropped real rows (896..1002 of the word
+    embeddings, masters and moments) with exit 0; larger would make padding rows tokens."""
+    root, _ = gpt_tp1
+    recorded = tmp_path / "tp2"
+    assert run_cli("reshard", root, recorded, "--to-tp", "2", "--true-vocab-size", "1003").code == 0
+    for wrong in ("800", "1024"):
+        dst = tmp_path / f"tp1-{wrong}"
+        r = run_cli("reshard", recorded, dst, "--to-tp", "1", "--true-vocab-size", wrong)
+        assert r.code == 2 and "contradicts the checkpoint" in r.err and "1003" in r.err, r.err
+        assert not dst.exists()
+    assert run_cli("reshard", recorded, tmp_path / "same", "--to-tp", "1", "--true-vocab-size", "1003").code == 0

@@ -186,6 +186,12 @@ def rewrite(opened: Opened, dst: str, fmt: str, options: RewriteOptions,
     if options.init_optimizer:
         opened = _fresh_optimizer(opened, target_format)
     index = opened.index
+    recorded, given = index.true_vocab_size, options.true_vocab_size
+    if given is not None and recorded is not None and given != recorded:  # rows dropped or made up
+        raise UsageError(f"--true-vocab-size {given} contradicts the checkpoint, which records a "
+                         f"vocabulary of {recorded}", path=opened.store.url,
+                         hint="Leave it out: the flag is for a source that does not record one; "
+                              "nothing was written")
     writer = converters.writer(fmt, index)  # the format's writer for this source
     source_topo = index.topology
     if source_topo is None:
