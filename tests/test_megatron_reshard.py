@@ -346,3 +346,21 @@ def test_a_true_vocab_size_that_contradicts_the_checkpoint_is_refused(gpt_tp1, t
         assert r.code == 2 and "contradicts the checkpoint" in r.err and "1003" in r.err, r.err
         assert not dst.exists()
     assert run_cli("reshard", recorded, tmp_path / "same", "--to-tp", "1", "--true-vocab-size", "1003").code == 0
+
+
+@pytest.mark.parametrize("flags", [["--to-vpp", "1"], ["--to-pp", "1"]])
+def test_leaving_the_virtual_pipeline_clears_its_args(gpt_tp1, flags, tmp_path, run_cli):
+    """VPP2 to none kept args.num_layers_per_virtual_pipeline_stage: exit 0, then ckptool read
+    its own output as VPP2 again (verify exit 1; reshard to PP2 exit 2), and Megatron's
+    --use-checkpoint-args would have taken it too."""
+    root, _ = gpt_tp1
+    vpp = tmp_path / "vpp"
+    assert run_cli("reshard", root, vpp, "--to-pp", "2", "--to-vpp", "2").code == 0
+    out = tmp_path / "out"
+    assert run_cli("reshard", vpp, out, *flags).code == 0
+    args = torch.load(next(out.glob("iter_*/mp_rank_00*/model_optim_rng.pt")), weights_only=False)["args"]
+    assert args.num_layers_per_virtual_pipeline_stage is None and args.virtual_pipeline_model_parallel_size is None
+    assert run_cli("verify", out, "--deep").code == 0
+    again = tmp_path / "again"
+    assert run_cli("reshard", out, again, "--to-pp", "2" if flags[0] == "--to-pp" else "1").code == 0
+    assert run_cli("verify", again, "--deep").code == 0

@@ -510,8 +510,12 @@ def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology
     new.world_size = topo.world
     new.padded_vocab_size = spec.padded_vocab(topo.tp)
     new.virtual_pipeline_model_parallel_size = topo.vpp if topo.vpp > 1 else None
-    if topo.vpp > 1:
-        new.num_layers_per_virtual_pipeline_stage = spec.num_layers // topo.pp // topo.vpp
+    # Megatron reads either field for the virtual pipeline: both say the target's (a source's
+    # layers per virtual stage, kept, made ckptool read its own VPP1 output as VPP2 and refuse it)
+    new.num_layers_per_virtual_pipeline_stage = spec.num_layers // topo.pp // topo.vpp if topo.vpp > 1 \
+        else None
+    if hasattr(new, "num_virtual_stages_per_pipeline_rank"):  # its newer spelling
+        new.num_virtual_stages_per_pipeline_rank = topo.vpp if topo.vpp > 1 else None
     if spec.num_experts:
         if args is None:  # Mixtral's router, which the spec means (see MATH_ARGS)
             new.num_experts, new.moe_ffn_hidden_size = spec.num_experts, spec.moe_ffn
