@@ -155,3 +155,22 @@ def test_hf_model_run_converts_to_hf_through_universal(ucp, run_cli, tmp_path):
     with torch.no_grad():
         logits = model(input_ids=H.hf_tokens(model.config.vocab_size, H.NEXT_STEP)).logits
     assert torch.equal(logits, torch.load(ucp / "llama_z2.logits.pt"))
+
+
+def test_zero1_written_from_a_zero3_run_feeds_deepspeeds_ds_to_universal(ucp, tmp_path):
+    """ZeRO-1/2 files written from a ZeRO-3 (or stage-0) source lacked ``param_slice_mappings``,
+    which DeepSpeed's loader does not need and its ds_to_universal does (KeyError). Now
+    ds_to_universal reads them, and what it makes equals what it made from the ZeRO-3 run."""
+    import ckptool
+
+    z1 = tmp_path / "z1-from-z3"
+    ckptool.reshard(str(ucp / "z3"), str(z1), to={"zero": 1})
+    tag = _tag(z1)
+    U.ds_to_universal([(z1 / tag, tmp_path / "u" / tag)])
+    (tmp_path / "u" / "latest_universal").write_text(tag)
+    ours, theirs = _zero_files(tmp_path / "u"), _zero_files(ucp / "u3")
+    assert len(theirs) > 20 and set(theirs) <= set(ours)
+    for rel, path in theirs.items():
+        a, b = torch.load(path, weights_only=False), torch.load(ours[rel], weights_only=False)
+        a, b = (x["param"] if isinstance(x, dict) else x for x in (a, b))
+        assert a.dtype == b.dtype and torch.equal(a.reshape(-1), b.reshape(-1)), rel

@@ -30,6 +30,7 @@ from ckptool.core.jsonfile import json_object
 from ckptool.core.lazy import lazy
 from ckptool.core.optimizer import ParamGroups, state_key, torch_state_dict
 from ckptool.core.regions import Region, Shard
+from ckptool.core.safe_pickle import record_class
 from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import TensorRef
@@ -520,11 +521,11 @@ def optim_states_tree(layout: Layout, topo: Topology, rank: int, pads: list[int]
     if topo.zero == 3:
         for key in _ZERO12_ONLY:
             osd.pop(key, None)
-    elif layout.stage == 3:  # the ZeRO-1/2 entries, as DeepSpeed writes them
+    elif layout.stage in (0, 3):  # the ZeRO-1/2 entries the source's files lack, as DeepSpeed writes them
         config = layout.model_states.get("ds_config") or {}
-        osd.update(clip_grad=float(config.get("gradient_clipping", 0.0)),
-                   ds_version=layout.model_states.get("ds_version"))
-    if topo.zero < 3 and (layout.stage == 3 or "param_alignment_paddings" in osd):
+        osd.setdefault("clip_grad", float(config.get("gradient_clipping", 0.0)))
+        osd.setdefault("ds_version", layout.model_states.get("ds_version"))
+    if topo.zero < 3 and (layout.stage in (0, 3) or "param_alignment_paddings" in osd):
         osd["param_alignment_paddings"] = [alignment_paddings(g, layout.align) for g in layout.groups]
     if topo.zero == 3:
         osd.update(optimizer_state_dict=state, fp32_flat_groups=masters, partition_count=topo.dp)
@@ -536,9 +537,10 @@ def optim_states_tree(layout: Layout, topo: Topology, rank: int, pads: list[int]
                    group_paddings=[(pending[(g, "exp_avg")].shape[0] * topo.dp
                                     - sum(math.prod(s) for _, s in layout.groups[g])) * last
                                    for g in groups] if layout.bf16_optimizer else list(pads))
-        if layout.fragment_type is not None:
-            osd["param_slice_mappings"] = [_fragments(layout.fragment_type, names, count, part,
-                                                      layout.align) for _, count, part, names in cuts]
+        # what ds_to_universal reads; a ZeRO-3 or stage-0 source has none to take the class from
+        fragment = layout.fragment_type or record_class("deepspeed.utils.tensor_fragment", "fragment_address")
+        osd["param_slice_mappings"] = [_fragments(fragment, names, count, part, layout.align)
+                                       for _, count, part, names in cuts]
     tree = dict(layout.optim_file)
     tree["optimizer_state_dict"] = osd
     if "ds_config" in tree:
