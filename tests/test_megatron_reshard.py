@@ -331,6 +331,12 @@ def test_uneven_pipeline_split_on_request(llama_tp2, tmp_path, run_cli):
     a, b = _tensors(src), _tensors(back)
     assert all(torch.equal(a[f][k], b[f][k]) for f in a for k in a[f])
     assert _close(H.load_logits(H.LLAMA, 2, 1, back), ref)
+    # Hugging Face has one stage (the split says nothing there): refused as "cannot be split
+    # over PP (1) with first=2", so ckptool could not convert its own output
+    flat, again = tmp_path / "hf", tmp_path / "again"
+    assert run_cli("convert", dst, flat, "--to", "hf").code == 0
+    assert run_cli("convert", flat, again, "--to", "megatron", "--tp", 2, "--pp", 1).code == 0
+    assert _close(H.load_logits(H.LLAMA, 2, 1, again), ref)
 
 
 def test_a_true_vocab_size_that_contradicts_the_checkpoint_is_refused(gpt_tp1, tmp_path, run_cli):
