@@ -161,9 +161,6 @@ class MegatronReader(TorchFileReader):
             m = RANK_DIR.match(name) if is_dir else None
             if not m:
                 continue
-            if m.group(3) is not None:
-                raise UnreadableInput("expert-parallel Megatron checkpoints are not supported yet",
-                                      path=store.display(f"{base}/{name}" if base else name))
             rel = f"{base}/{name}/{FILE}" if base else f"{name}/{FILE}"
             rest = tuple(int(g) for g in m.groups()[1:] if g is not None)
             files.append(_RankFile(int(m.group(1)), rest[0] if rest else 0, rel, rest=rest))
