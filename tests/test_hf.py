@@ -236,3 +236,47 @@ def test_stored_tensors_without_a_place_in_the_family_are_refused_not_dropped(ex
     assert run_cli("verify", src).code == 0
     report = json.loads(run_cli("inspect", src, "--json").out)
     assert any("no place" in w for w in report["warnings"]) == refused, report["warnings"]
+
+
+def test_fp16_output_of_values_beyond_its_range_is_refused(llama, tmp_path, run_cli):
+    """``--dtype fp16`` of a weight of 1e6 wrote inf (exit 0): not a rounding but other math.
+    Refused naming the tensor; bf16 holds it; an Inf the source holds is no overflow."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(llama[0], src)
+    state = load_file(src / "model.safetensors")
+    state["model.layers.0.mlp.down_proj.weight"][0, 0] = 1e6
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    dst = tmp_path / "fp16"
+    r = run_cli("convert", src, dst, "--to", "hf", "--dtype", "fp16")
+    assert r.code == 2 and "beyond float16's range" in r.err and "mlp.down_proj" in r.err, r.err
+    assert not dst.exists() and not list(tmp_path.glob("fp16.tmp-*"))
+    assert run_cli("convert", src, tmp_path / "bf16", "--to", "hf", "--dtype", "bf16").code == 0
+    state["model.layers.0.mlp.down_proj.weight"][0, 0] = float("inf")
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    assert run_cli("convert", src, tmp_path / "inf", "--to", "hf", "--dtype", "fp16").code == 0
+
+
+def test_an_fp16_target_filled_from_a_wider_source_refuses_an_overflow():
+    """The engine's own cast (a target tensor of another dtype than its source, as a Megatron
+    fp16 model from fp32 masters) applies the same rule."""
+    from ckptool.core.engine import TargetTensor, fill_tensor
+    from ckptool.core.errors import UsageError
+    from ckptool.core.index import CheckpointIndex, Location, Piece, TensorInfo
+    from ckptool.core.regions import Region, Shard
+
+    source = torch.tensor([1.0, 7e4, -3.0])
+    index = CheckpointIndex(format="dcp", url="mem")
+    index.tensors["w"] = TensorInfo("w", (3,), torch.float32, [Piece(Region.whole("w", (3,)), Location("f"))])
+
+    def read_box(piece, dtype, box, out):
+        out.copy_(source[box[0][0]:box[0][0] + box[1][0]])
+
+    target = TargetTensor("w", Shard.of(Region.whole("w", (3,))), torch.float16)
+    with pytest.raises(UsageError, match="beyond float16's range"):
+        fill_tensor(target, index, read_box)
+    source[1] = 6e4
+    assert fill_tensor(target, index, read_box).tolist() == [1.0, 6e4, -3.0]

@@ -18,7 +18,7 @@ import math
 import threading
 from dataclasses import asdict
 
-from ckptool.core.engine import TargetFile, TargetTensor
+from ckptool.core.engine import TargetFile, TargetTensor, cast
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
 from ckptool.core.index import (
     CheckpointIndex,
@@ -277,7 +277,7 @@ class HfWriter(Writer):
             out = HashingWriter(f, store.durable)
             out.write(len(raw).to_bytes(8, "little") + raw)
             for t in target.tensors:
-                data = produce(t).to(self._dtype)
+                data = cast(produce(t), self._dtype, t.name.name, index.url)
                 if t.name.transposed:
                     data = data.t()
                 out.write(memoryview(data.contiguous().view(torch.uint8).numpy()))
