@@ -365,8 +365,6 @@ def stage_layers(spec: ModelSpec, pp: int, vpp: int = 1) -> list[list[range]]:
     """Global layer ranges for each stage, one per virtual chunk (``model0``, ``model1``...)."""
     L = spec.num_layers
     first, last = spec.first_stage_layers, spec.last_stage_layers
-    if pp == 1:  # one stage holds every layer: a split recorded for a pipeline says nothing here
-        first = last = None
     if first is None and last is None:
         if L % (pp * vpp):
             raise TopologyError(

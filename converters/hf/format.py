@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from ckptool.core.engine import TargetFile, TargetTensor, cast
 from ckptool.core.errors import BadCheckpoint, UnreadableInput, UsageError
@@ -216,7 +216,9 @@ class HfWriter(Writer):
             raise UsageError("the source does not say what model it holds", path=index.url,
                              hint="Pass --model-config CONFIG.json (the model's Hugging Face "
                                   "config) if it is an HF model")
-        spec = model_spec(index.model_config, index.url)
+        # one stage: a pipeline split the source recorded for its own PP says nothing here
+        spec = replace(model_spec(index.model_config, index.url), first_stage_layers=None,
+                       last_stage_layers=None)
         vocab = true_vocab_size or index.true_vocab_size or spec.global_vocab_rows
         if vocab > spec.global_vocab_rows:
             raise UsageError(f"the vocabulary ({vocab}) exceeds the {spec.global_vocab_rows} stored rows")
