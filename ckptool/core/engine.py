@@ -124,9 +124,16 @@ def fill_tensor(t: TargetTensor, index: CheckpointIndex, read_box: ReadBox,
     if not covered:
         buf.fill_(pad_value)
     fill_into(t.shard, buf, index, read_box)
-    if t.dtype == torch.float16 and buf.numel() and not bool(torch.isfinite(buf).all()):
+    if t.dtype == torch.float16 and buf.numel() and _narrowed(t, index) and \
+            not bool(torch.isfinite(buf).all()):
         _refuse_overflow(t, buf, index, read_box, pad_value)
     return buf
+
+
+def _narrowed(t: TargetTensor, index: CheckpointIndex) -> bool:
+    """Whether a float16 target is filled from a source of another dtype (fp16 to fp16 cannot
+    overflow: no scan)."""
+    return any(index.tensors[r.key].dtype != torch.float16 for r in t.shard.regions if r.key in index.tensors)
 
 
 def _refuse_overflow(t: TargetTensor, out: torch.Tensor, index: CheckpointIndex, read_box: ReadBox,
@@ -135,26 +142,26 @@ def _refuse_overflow(t: TargetTensor, out: torch.Tensor, index: CheckpointIndex,
     when the fp16 tensor holds an Inf or NaN at all): see :func:`cast`."""
     wide = fill_tensor(TargetTensor(t.name, t.shard, torch.float32), index, read_box, pad_value)
     _refuse_made_infinite(wide, out, t.shard.regions[0].key if t.shard.regions else str(t.name),
-                          index.url)
+                          index.url, "float16 cannot hold the model: write it in bf16 or fp32")
 
 
-def cast(data: torch.Tensor, dtype: torch.dtype, key: str, url: str) -> torch.Tensor:
+def cast(data: torch.Tensor, dtype: torch.dtype, key: str, url: str, hint: str) -> torch.Tensor:
     """``data`` in ``dtype``, refused (UsageError) where a value beyond float16's range would
     become infinite: ``--dtype fp16`` of a bf16 or fp32 model, a change of the math rather than
     a rounding."""
     out = data.to(dtype)
     if dtype == torch.float16 and data.dtype != dtype and out.numel() and not bool(torch.isfinite(out).all()):
-        _refuse_made_infinite(data, out, key, url)
+        _refuse_made_infinite(data, out, key, url, hint)
     return out
 
 
-def _refuse_made_infinite(wide: torch.Tensor, out: torch.Tensor, key: str, url: str) -> None:
+def _refuse_made_infinite(wide: torch.Tensor, out: torch.Tensor, key: str, url: str, hint: str) -> None:
     made = int(torch.isinf(out).sum()) - int(torch.isinf(wide).sum())
     if made > 0:
         largest = float(wide.float().abs().nan_to_num(0, 0, 0).max())
         raise UsageError(f"{made} values are beyond float16's range (65504): as fp16 they would be "
                          f"infinite (the largest is {largest:.4g})", path=url, key=key,
-                         hint="Convert with --dtype bf16 or fp32; nothing was written")
+                         hint=f"{hint}; nothing was written")
 
 
 def fill_into(shard: Shard, out: torch.Tensor, index: CheckpointIndex, read_box: ReadBox) -> None:

@@ -279,7 +279,8 @@ class HfWriter(Writer):
             out = HashingWriter(f, store.durable)
             out.write(len(raw).to_bytes(8, "little") + raw)
             for t in target.tensors:
-                data = cast(produce(t), self._dtype, t.name.name, index.url)
+                data = cast(produce(t), self._dtype, t.name.name, index.url,
+                            "Convert with --dtype bf16 or fp32")
                 if t.name.transposed:
                     data = data.t()
                 out.write(memoryview(data.contiguous().view(torch.uint8).numpy()))
