@@ -335,19 +335,25 @@ class Store:
         except FileNotFoundError:
             raise UnreadableInput("file not found", path=_join_url(self.url, rel)) from None
 
-    def stamp(self, rel: str) -> tuple:
-        """What changes when the file ``rel`` is written again: size and modification time (and
-        inode) locally, size and ETag or modification time on an object store; () when missing."""
-        self.contained(rel)
-        try:
-            if self.is_local:
+    def stamps(self) -> dict[str, tuple]:
+        """What changes when a file below this store is written again, from one listing:
+        relative path -> (size, modification time) locally, (size, ETag or modification time)
+        on an object store."""
+        if not self.is_local:
+            prefix = self.root.rstrip("/") + "/"
+            return {name[len(prefix):]: (info.get("size"), str(
+                        info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified")
+                        or info.get("last_modified") or info.get("created")))
+                    for name, info in self.fs.find(self.root, detail=True, withdirs=False).items()
+                    if name.startswith(prefix)}
+        out = {}
+        for rel in self.files():  # contained regular files only
+            try:
                 st = os.stat(self.path(rel))
-                return st.st_size, st.st_mtime_ns, st.st_ino
-            info = self.fs.info(self.path(rel))
-        except (FileNotFoundError, NotADirectoryError):
-            return ()
-        return (info.get("size"), str(info.get("ETag") or info.get("etag") or info.get("mtime")
-                                      or info.get("LastModified") or info.get("last_modified")))
+            except OSError:
+                continue
+            out[rel] = (st.st_size, st.st_mtime_ns)
+        return out
 
     def read_small(self, rel: str, limit: int = 64 << 20) -> bytes:
         """The whole of a metadata file (a JSON document: ``config.json``, an index, a manifest)

@@ -22,8 +22,9 @@ def resume_key(opened, fmt, result, options, weights_only, names, true_vocab_siz
     the manifest's hashes, or for a source without one (Megatron, DeepSpeed) each file's size
     and modification time: a source saved again between an interrupted run and its re-run is
     another job (7 of 10 files were kept from the old source, exit 0 and verify OK)."""
+    stamps = {} if opened.manifest else opened.store.stamps()  # one listing, not a request a file
     source = [(f.path, f.size, f.xxh3_128) for f in opened.manifest.files] if opened.manifest else \
-        [(rel, *opened.store.stamp(rel)) for rel in sorted(opened.index.files)]
+        [(rel, *stamps.get(rel, ())) for rel in sorted(opened.index.files)]
     blob = json.dumps([opened.store.url, [list(map(str, f)) for f in source],
                        fmt, result.target_topology, [(f.path, f.bytes) for f in result.files],
                        sorted((options or {}).items()), weights_only, names, true_vocab_size],

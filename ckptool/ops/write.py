@@ -59,10 +59,10 @@ def write_output(job: WriteJob, result, progress: Callable[[int], object] | None
 
 def _write(job: WriteJob, group: Group, result, progress) -> tuple[str, int]:
     opened, writer, index = job.opened, job.writer, job.opened.index
-    key = journal.resume_key(opened, job.fmt, result, job.format_options, job.weights_only,
-                             job.names, job.true_vocab_size)
-    out = group.on_rank0(lambda: atomic_output(job.dst, overwrite=job.overwrite, resume_key=key,
-                                               durable=job.fsync))
+    out = group.on_rank0(lambda: atomic_output(  # the key on rank 0 alone: it lists the source
+        job.dst, overwrite=job.overwrite, durable=job.fsync,
+        resume_key=journal.resume_key(opened, job.fmt, result, job.format_options, job.weights_only,
+                                      job.names, job.true_vocab_size)))
     store = replace(Store.open(out.store.url), durable=job.fsync) if group.rank else out.store
     try:
         done = journal.finished(store)
