@@ -30,7 +30,7 @@ from ckptool.core.index import (
 from ckptool.core.lazy import lazy
 from ckptool.core.regions import Region, byte_runs
 from ckptool.core.safe_pickle import is_dtype, load_dcp_metadata, same_dtype, trusted
-from ckptool.core.storage import Store
+from ckptool.core.storage import METADATA_LIMIT, Store
 
 if TYPE_CHECKING:
     from ckptool.core.torchfile import TorchFile
@@ -250,7 +250,7 @@ class DcpContainerReader(Reader):
         return archive.materialize(archive.obj)
 
 
-_METADATA_FLOOR = 64 << 20
+_METADATA_FLOOR = METADATA_LIMIT
 """A DCP ``.metadata`` up to this size is read as it is; a larger one only when the files it
 describes hold more bytes (a 405B model's, saved by 512 ranks, is 0.3 GB for 4 TB)."""
 

@@ -39,6 +39,9 @@ from ckptool.core.errors import (
 from ckptool.core.lazy import lazy
 
 TMP_MARK = ".tmp-"
+METADATA_LIMIT = 64 << 20
+"""The most bytes of one metadata document ckptool reads (:meth:`Store.read_small`): the
+largest real ones (a 1T model's safetensors index) are a few MB."""
 _TMP_RE = re.compile(r"\.tmp-[0-9a-zA-Z]+$")
 _STORAGE_OPTIONS: dict[str, Any] = {}
 fsspec = lazy("fsspec", globals())  # ~0.1 s to import: local paths need it only to write
@@ -355,17 +358,17 @@ class Store:
             out[rel] = (st.st_size, st.st_mtime_ns)
         return out
 
-    def read_small(self, rel: str, limit: int = 64 << 20) -> bytes:
+    def read_small(self, rel: str, limit: int = METADATA_LIMIT) -> bytes:
         """The whole of a metadata file (a JSON document: ``config.json``, an index, a manifest)
         that holds at most ``limit`` bytes; a larger one (a damaged or crafted file, 3 GB of
-        zeros after its JSON) is refused before it is read, not allocated and parsed."""
-        size = self.size(rel)
-        data = self.read_bytes(rel, 0, limit + 1) if size <= limit else b""
-        if size > limit or len(data) > limit:
-            raise BadCheckpoint(f"{posixpath.basename(rel) or 'the file'} is {size} bytes, more than "
-                                f"any such file ckptool reads "
-                                f"({limit >> 20} MiB): damaged, or not what its name says",
-                                path=self.display(rel))
+        zeros after its JSON) is refused, never allocated whole and parsed."""
+        size = self.size(rel) if self.is_local else None  # a stat locally; a HEAD is not worth it
+        data = self.read_bytes(rel, 0, limit + 1) if size is None or size <= limit else b""
+        if (size or 0) > limit or len(data) > limit:
+            raise BadCheckpoint(f"{posixpath.basename(rel) or 'the file'} is "
+                                f"{size if size is not None else 'over ' + str(limit)} bytes, more than "
+                                f"any such file ckptool reads ({limit >> 20} MiB): damaged, or not what "
+                                "its name says", path=self.display(rel))
         return data
 
     def range_reader(self, rel: str) -> "RangeReader":

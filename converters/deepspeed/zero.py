@@ -31,7 +31,7 @@ from ckptool.core.lazy import lazy
 from ckptool.core.optimizer import ParamGroups, state_key, torch_state_dict
 from ckptool.core.regions import Region, Shard
 from ckptool.core.safe_pickle import record_class
-from ckptool.core.storage import Store
+from ckptool.core.storage import METADATA_LIMIT, Store
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import TensorRef
 from ckptool.core.torchreader import TorchFileReader
@@ -336,7 +336,10 @@ class ZeroReader(TorchFileReader):
             where = self.model_config
             try:
                 with open(where, "rb") as f:
-                    raw = f.read()
+                    raw = f.read(METADATA_LIMIT + 1)
+                if len(raw) > METADATA_LIMIT:
+                    raise UsageError(f"the model config is over {METADATA_LIMIT >> 20} MiB: not a config",
+                                     path=where)
             except OSError as exc:
                 raise UnreadableInput(f"cannot read the model config ({exc.strerror})",
                                       path=where) from None

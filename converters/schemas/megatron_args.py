@@ -512,10 +512,14 @@ def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology
     new.virtual_pipeline_model_parallel_size = topo.vpp if topo.vpp > 1 else None
     # Megatron reads either field for the virtual pipeline: both say the target's (a source's
     # layers per virtual stage, kept, made ckptool read its own VPP1 output as VPP2 and refuse it)
-    new.num_layers_per_virtual_pipeline_stage = spec.num_layers // topo.pp // topo.vpp if topo.vpp > 1 \
-        else None
-    if hasattr(new, "num_virtual_stages_per_pipeline_rank"):  # its newer spelling
+    # in the spelling the source used (Megatron refuses both at once): its newer one, or else
+    # layers per virtual stage
+    if _get(new, "num_virtual_stages_per_pipeline_rank") is not None:
         new.num_virtual_stages_per_pipeline_rank = topo.vpp if topo.vpp > 1 else None
+        new.num_layers_per_virtual_pipeline_stage = None
+    else:
+        new.num_layers_per_virtual_pipeline_stage = spec.num_layers // topo.pp // topo.vpp \
+            if topo.vpp > 1 else None
     if spec.num_experts:
         if args is None:  # Mixtral's router, which the spec means (see MATH_ARGS)
             new.num_experts, new.moe_ffn_hidden_size = spec.num_experts, spec.moe_ffn
