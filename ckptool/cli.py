@@ -196,9 +196,9 @@ def verify(ckpt: str, deep: bool, seal: bool, strict: bool, workers: int, as_jso
     bar = out.progress(lambda: _total_bytes(ckpt), "verify")
     try:
         report = run(ckpt, deep=deep, seal=seal, strict=strict, workers=workers,
-                     progress=bar.update if bar else None)
+                     progress=bar.update if bar is not None else None)
     finally:
-        if bar:
+        if bar is not None:
             bar.close()
     for w in report.warnings:
         out.note(f"warning: {w.one_line()}")
@@ -311,9 +311,9 @@ def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, to_zero, to_ep, to_etp, tp, p
                                             "last_stage_layers": last_stage_layers})
     bar = out.progress(lambda: None, "reshard") if not dry_run else None
     try:
-        res = run(src, dst, options, progress=bar.update if bar else None)
+        res = run(src, dst, options, progress=bar.update if bar is not None else None)
     finally:
-        if bar:
+        if bar is not None:
             bar.close()
     _render_rewrite(out, res, "resharded")
 

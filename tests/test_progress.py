@@ -61,3 +61,32 @@ def test_inspect_and_dry_run_report_their_steps_and_quiet_silences_them(tmp_path
     err = _cli("reshard", src, tmp_path / "out", "--to-dp", "2", "--dry-run")
     assert "ckptool: planning the target files (" in err, err
     assert _cli("inspect", src, "--quiet") == ""
+
+
+def test_reshard_and_verify_at_a_terminal_show_a_bar_and_finish(tmp_path, make_ckpt):
+    """stderr a terminal: tqdm's bar of unknown total has no truth value, and `if bar:` raised
+    TypeError: every interactive `ckptool reshard` exited 2 and wrote nothing."""
+    import os
+    import pty
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = make_ckpt(tmp_path / "src")
+    repo = Path(__file__).resolve().parents[1]
+    for args in (["reshard", str(src), str(tmp_path / "out"), "--to-dp", "2"],
+                 ["verify", "--deep", str(src)]):
+        leader, follower = pty.openpty()
+        proc = subprocess.run([sys.executable, "-m", "ckptool", *args], cwd=repo, stdout=subprocess.PIPE,
+                              stderr=follower, env={**os.environ, "PYTHONPATH": str(repo)}, timeout=120)
+        os.close(follower)
+        err = b""
+        try:
+            while chunk := os.read(leader, 65536):
+                err += chunk
+        except OSError:  # the terminal's other end is closed
+            pass
+        os.close(leader)
+        assert proc.returncode == 0, (args, err.decode(errors="replace")[-2000:])
+        assert b"Traceback" not in err
+    assert (tmp_path / "out" / "ckptool.json").exists()
