@@ -236,3 +236,54 @@ def test_a_scheduler_field_that_pickles_a_call_is_refused_by_convert(tmp_path, r
         assert res.code == 2 and len(lines) == 1, res.err
         assert "opt_param_scheduler" in lines[0] and "posix.mkdir" in lines[0] and "--trust-pickle" in lines[0]
         assert not marker.exists() and not dst.exists()
+
+
+def test_load_latest_fills_a_tensor_that_is_not_contiguous(tmp_path):
+    """A channels_last conv weight: the fill went into a copy (a view of such a tensor is one),
+    load_latest returned the step and the parameter stayed as it was."""
+    from training import AsyncCheckpointer
+
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    ckpt = AsyncCheckpointer(str(tmp_path / "run"))
+    ckpt.save(1, {"model": conv.state_dict(), "t": torch.arange(6.0).reshape(2, 3)})
+    ckpt.wait()
+    fresh = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    state = {"model": fresh.state_dict(), "t": torch.zeros(3, 2).t()}
+    assert not fresh.weight.is_contiguous() and not state["t"].is_contiguous()
+    assert AsyncCheckpointer(str(tmp_path / "run")).load_latest(state) == 1
+    assert torch.equal(fresh.weight, conv.weight) and torch.equal(state["t"], torch.arange(6.0).reshape(2, 3))
+
+
+def test_load_latest_refuses_when_saves_exist_and_none_loads(tmp_path):
+    """Saves that all fail (here: a set, which the loader's allowlist refuses) made load_latest
+    return None, and `load_latest(state) or 0` restarted training from step 0 without a word.
+    A save killed before its commit is still no save: None."""
+    import shutil
+
+    from ckptool.core.errors import NoCheckpoint
+    from training import AsyncCheckpointer
+
+    root = tmp_path / "run"
+    ckpt = AsyncCheckpointer(str(root))
+    ckpt.save(100, {"w": torch.ones(3), "seen": {3, 5}})
+    ckpt.wait()
+    with pytest.raises(NoCheckpoint, match="step_00000100.*allowlist"):
+        AsyncCheckpointer(str(root)).load_latest({"w": torch.zeros(3), "seen": set()})
+    shutil.move(root / "step_00000100", root / "step_00000100.tmp-1a2b3c")
+    (root / "step_00000100.tmp-1a2b3c" / "ckptool.json").unlink()
+    assert AsyncCheckpointer(str(root)).load_latest({"w": torch.zeros(3), "seen": set()}) is None
+
+
+def test_a_load_that_does_not_match_writes_nothing(tmp_path):
+    """A state with a tensor the checkpoint lacks: the tensors before it were already
+    overwritten when the error came."""
+    from ckptool.core.errors import BadCheckpoint
+    from training import AsyncCheckpointer
+
+    ckpt = AsyncCheckpointer(str(tmp_path / "run"))
+    ckpt.save(1, {"a": torch.ones(2), "b": torch.ones(2)})
+    ckpt.wait()
+    state = {"a": torch.zeros(2), "b": torch.zeros(3)}
+    with pytest.raises(BadCheckpoint):
+        AsyncCheckpointer(str(tmp_path / "run")).load_latest(state)
+    assert torch.equal(state["a"], torch.zeros(2))

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptool.checkpoints.latest import latest
+from ckptool.checkpoints.latest import UNFINISHED, latest
 from ckptool.checkpoints.open import (
     abandoned,
     candidates,
@@ -34,7 +34,7 @@ from ckptool.checkpoints.open import (
 )
 from ckptool.core.dcpfile import METADATA
 from ckptool.core.dcpwrite import DcpFileWriter, FileRecord, write_metadata
-from ckptool.core.engine import fill_into
+from ckptool.core.engine import check_fill, fill_into
 from ckptool.core.errors import BadCheckpoint, NoCheckpoint
 from ckptool.core.manifest import MANIFEST, FileEntry, Manifest, write_manifest
 from ckptool.core.safe_pickle import trusted
@@ -158,16 +158,22 @@ class AsyncCheckpointer:
         root (e.g. one resharded offline) instead of this checkpointer's.
         """
 
-        path = None
+        found = None  # rank 0's answer for every rank: a path, None, or why none is loadable
         if self._rank == 0:
             try:
-                path = latest(str(root) if root else self.root.url).path
-            except NoCheckpoint:
-                path = None
-        path = self._broadcast(path)
-        if path is None:
+                found = latest(str(root) if root else self.root.url).path
+            except NoCheckpoint as exc:
+                skipped = [k for k in getattr(exc, "skipped", []) if k.reason != UNFINISHED]
+                found = None if not skipped else ("error", (
+                    f"no checkpoint under {exc.path} can be loaded: {len(skipped)} skipped, the newest "
+                    f"{skipped[0].path}: {skipped[0].reason}"))
+        found = self._broadcast(found)
+        if isinstance(found, tuple):  # saves exist and none loads: never a fresh start (step 0)
+            raise NoCheckpoint(found[1], hint="Fix or remove them (ckptool latest ROOT lists why); "
+                                              "load_latest returns None only where nothing was saved")
+        if found is None:
             return None
-        return load(path, state, self._rank)
+        return load(found, state, self._rank)
 
     # ------------------------------------------------------------------ staging
 
@@ -441,20 +447,22 @@ def load(path: str, state: dict, rank: int = 0) -> int | None:
     def read_box(piece, dtype, box, out_view):
         opened.reader.read_box_into(opened.store, piece, dtype, box, out_view)
 
+    for e in entries:  # every key there at its shape before any tensor is written: no half load
+        check_fill(e.shard, index)
+    for key in leaves:
+        if index.objects.get(key) is None:
+            raise BadCheckpoint(f"checkpoint has no entry {key!r}", path=opened.store.url, key=key)
     with torch.no_grad():
         for e in entries:
-            if e.local.is_cuda:
+            if e.local.is_cuda or not e.local.is_contiguous():
+                # filled through a dense host copy: views of a channels_last or transposed
+                # tensor are copies, and filling them left the parameter as it was
                 host = torch.empty(e.local.shape, dtype=e.local.dtype)
                 fill_into(e.shard, host, index, read_box)
                 e.local.copy_(host)
             else:
                 fill_into(e.shard, e.local, index, read_box)
-    values = {}
-    for key in leaves:
-        obj = index.objects.get(key)
-        if obj is None:
-            raise BadCheckpoint(f"checkpoint has no entry {key!r}", path=opened.store.url, key=key)
-        values[key] = opened.reader.read_object(opened.store, obj)
+    values = {key: opened.reader.read_object(opened.store, index.objects[key]) for key in leaves}
     found = [] if trusted() else opened.reader.unsafe_pickles()
     if found:  # a class outside the allowlist is never imported (trust_pickle(True) allows it)
         raise found[0].error()

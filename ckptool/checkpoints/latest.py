@@ -23,6 +23,11 @@ from ckptool.core.manifest import read_manifest
 from ckptool.core.storage import Store, is_temporary
 
 
+UNFINISHED = "not committed: temporary output of an unfinished write"
+"""Why a ``NAME.tmp-*`` directory is skipped: a save that never committed (no save at all, to a
+restart)."""
+
+
 def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
     """The newest valid checkpoint under ``root``; raises NoCheckpoint when there is none."""
     store = Store.open(root)
@@ -38,8 +43,7 @@ def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
     left = abandoned(found)
     for cand in found:
         if cand.temporary:
-            skipped.append(Skipped(cand.store.url, "not committed: temporary output of an "
-                                   "unfinished write"))
+            skipped.append(Skipped(cand.store.url, UNFINISHED))
             continue
         if cand.refused is not None:
             skipped.append(Skipped(cand.store.url, cand.refused))

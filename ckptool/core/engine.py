@@ -172,6 +172,13 @@ def fill_into(shard: Shard, out: torch.Tensor, index: CheckpointIndex, read_box:
             read_box(info.pieces[c.src], info.dtype, c.box, region.view(view, c.box))
 
 
+def check_fill(shard: Shard, index: CheckpointIndex) -> None:
+    """Raise what :func:`fill_into` would for ``shard`` (a tensor missing, of another shape, or
+    not covered), before anything is filled."""
+    for region in shard.regions:
+        _copies(region, index)
+
+
 def _copies(region, index: CheckpointIndex):
     """The source tensor of a target region and the copies that fill it (all checked)."""
     info = index.tensors.get(region.key)
