@@ -287,3 +287,29 @@ def test_a_load_that_does_not_match_writes_nothing(tmp_path):
     with pytest.raises(BadCheckpoint):
         AsyncCheckpointer(str(tmp_path / "run")).load_latest(state)
     assert torch.equal(state["a"], torch.zeros(2))
+
+
+@pytest.mark.parametrize("step", [1.0, "3", -1, True, None])
+def test_a_step_that_is_not_one_is_refused_before_anything(step, tmp_path):
+    """Checked on every rank before any collective: a float step raised on rank 0 alone and
+    the other ranks waited in the broadcast for 30 minutes."""
+    from training import AsyncCheckpointer
+
+    ckpt = AsyncCheckpointer(str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="step must be"):
+        ckpt.save(step, {"w": torch.ones(2)})
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_keep_last_prunes_steps_past_eight_digits_and_is_an_int(tmp_path):
+    import numpy as np
+
+    from training import AsyncCheckpointer
+
+    with pytest.raises(ValueError, match="keep_last"):
+        AsyncCheckpointer(str(tmp_path / "x"), keep_last=1.5)
+    ckpt = AsyncCheckpointer(str(tmp_path / "run"), keep_last=1)
+    for step in (10 ** 8, np.int64(10 ** 8 + 1)):
+        ckpt.save(step, {"w": torch.ones(2)})
+        ckpt.wait()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_100000001"]

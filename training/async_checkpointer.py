@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import logging
+import operator
 import os
 import re
 import threading
@@ -55,10 +56,10 @@ from training.state import (
 logger = logging.getLogger(__name__)
 
 STEP_DIR = "step_{:08d}"
-_STEP = re.compile(r"^step_\d{8}$")
+_STEP = re.compile(r"^step_\d{8,}$")
 """The hook's own checkpoints: the only ones ``keep_last`` counts and deletes (a user's
 ``ckptool convert run/step_00000100 run/hf-100`` beside them is never touched)."""
-_TMP_STEP = re.compile(r"^step_(\d{8})\.tmp-[0-9a-f]+$")
+_TMP_STEP = re.compile(r"^step_(\d{8,})\.tmp-[0-9a-f]+$")
 
 
 @dataclass
@@ -89,8 +90,9 @@ class AsyncCheckpointer:
     def __init__(self, root: str, keep_last: int = 3, process_group=None, *,
                  topology: dict | None = None, model_config: dict | None = None,
                  true_vocab_size: int | None = None, writer: str = "thread"):
-        if keep_last is not None and keep_last < 1:
-            raise ValueError("keep_last must be at least 1 (or None to keep everything)")
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+            raise ValueError(f"keep_last must be an int of at least 1 (or None to keep everything), "
+                             f"not {keep_last!r}")
         if writer not in ("thread", "process"):
             raise ValueError("writer must be 'thread' or 'process'")
         # "process": a persistent writer process per rank hashes and writes from shared-memory
@@ -120,6 +122,15 @@ class AsyncCheckpointer:
 
     def save(self, step: int, state: dict) -> None:
         """Stage this rank's shards in host memory and return; writing continues behind."""
+        # checked on every rank before any collective (an error on rank 0 alone hung the others);
+        # a numpy integer is a step too
+        try:
+            valid = not isinstance(step, bool) and operator.index(step) >= 0
+        except TypeError:
+            valid = False
+        if not valid:
+            raise ValueError(f"step must be a non-negative integer, not {step!r}")
+        step = operator.index(step)
         self.wait()
         chunks, objects = self._stage(state)
         name = self._agree(self._target_name(step) if self._rank == 0 else None)
