@@ -35,13 +35,21 @@ def _reads_only() -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
+def _rank() -> int:
+    """This process's rank under torchrun (0 alone)."""
+    try:
+        return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
+
+
 class Output:
     """One sink: human text, one JSON document, or quiet. Progress only for a human on a TTY."""
 
     def __init__(self, as_json: bool, quiet: bool):
         self.as_json = as_json
         # Under torchrun only rank 0 speaks.
-        self.quiet = quiet or int(os.environ.get("RANK", "0") or 0) > 0
+        self.quiet = quiet or _rank() > 0
         if not self.quiet:  # long metadata steps say how far they are, on stderr
             progress.enable()
 
@@ -55,10 +63,15 @@ class Output:
                     file=sys.stderr, leave=False)
 
     def result(self, obj: Any, human: str) -> None:
-        if self.as_json:
-            click.echo(json.dumps(_plain(obj), indent=1))
-        elif not self.quiet and human:
-            click.echo(human)
+        try:
+            if self.as_json:
+                if _rank() == 0:  # one document, whatever the number of ranks
+                    click.echo(json.dumps(_plain(obj), indent=1))
+            elif not self.quiet and human:
+                click.echo(human)
+        except BrokenPipeError:  # click would end with exit 1, "the checkpoint is bad"
+            raise CkptoolError("stdout was closed before the result was written (a broken pipe)",
+                               hint="Its work ran as usual; only the printing failed") from None
 
     def note(self, text: str) -> None:
         """Side information for humans, on stderr (never pollutes --json stdout)."""
@@ -210,13 +223,19 @@ def verify(ckpt: str, deep: bool, seal: bool, strict: bool, workers: int, as_jso
              f"{_size(report.bytes_hashed)} hashed, {report.tensors} tensors"
              + (f", {report.pieces_read} pieces read" if report.deep else "") + ")"]
     human += [f"  error: {p.one_line()}" for p in report.problems]
-    if report.ok or not as_json:
+    if report.ok:
         out.result(report, "\n".join(human))
-    else:
-        out.result(report, "")
-    if not report.ok and quiet:
+        sys.exit(0)
+    first = report.problems[0].one_line() if report.problems else "failed"
+    failed = f"{len(report.problems)} problem(s); the first: {first}"
+    # what --json promises every failure: "error" and "exit_code" beside the report
+    out.result({**_plain(report), "error": failed, "exit_code": report.exit_code},
+               "" if as_json else "\n".join(human))
+    if quiet:
         for p in report.problems:
             click.echo(f"ckptool: error: {p.one_line()}", err=True)
+    elif not out.quiet:  # the one line on stderr every failed command gives
+        click.echo(f"ckptool: error: {report.path} fails verification: {failed}", err=True)
     sys.exit(report.exit_code)
 
 
@@ -558,14 +577,22 @@ def _fail(line: str | None, code: int, argv: list[str], message: str | None = No
     and the exit code; with ``--json``, also one JSON document on stdout, so a script that
     parses stdout gets ``{"ok": false, "error": ..., "exit_code": ...}`` rather than nothing."""
     if line is not None:
-        click.echo(f"ckptool: {line}", err=True)
-    if "--json" in argv:
+        _echo(f"ckptool: {line}", err=True)
+    if "--json" in argv and _rank() == 0:  # one document, whatever the number of ranks
         text = message if message is not None else line.removeprefix("error: ")
         doc = {"ok": False, "error": text, "exit_code": code}
         if skipped is not None:  # latest: the candidates it went past, and why
             doc["skipped"] = [_plain(s) for s in skipped]
-        click.echo(json.dumps(doc))
+        _echo(json.dumps(doc))
     sys.exit(code)
+
+
+def _echo(text: str, err: bool = False) -> None:
+    """A line the failure path prints, never an error of its own (a closed or broken stdout)."""
+    try:
+        click.echo(text, err=err)
+    except (OSError, ValueError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -576,9 +603,14 @@ def main(argv: list[str] | None = None) -> None:
         cli.main(args=argv, prog_name="ckptool", standalone_mode=False)
     except click.exceptions.Abort:
         _fail("aborted", 130, argv)
-    except click.ClickException as exc:
-        exc.show()
-        _fail(None, 2 if isinstance(exc, click.UsageError) else exc.exit_code, argv, exc.format_message())
+    except click.ClickException as exc:  # one line, not click's usage block of four
+        code = 2 if isinstance(exc, click.UsageError) else exc.exit_code
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `ckptool` alone: the help it asks for
+            exc.show()
+            _fail(None, code, argv, exc.format_message())
+        ctx = getattr(exc, "ctx", None)
+        where = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
+        _fail(f"error: {exc.format_message().rstrip('.')}{where}", code, argv, exc.format_message())
     except CkptoolError as exc:
         if os.environ.get("CKPTOOL_DEBUG"):
             raise

@@ -290,3 +290,45 @@ def test_a_manifest_laid_out_again_or_from_before_the_self_checksum_verifies(tmp
     assert run_cli("verify", ckpt).code == 0
     _edit_in_place(ckpt, lambda m: m.pop(SELF))
     assert run_cli("verify", ckpt, "--deep").code == 0
+
+
+def test_a_failed_verify_says_so_on_stderr_and_in_its_json(tmp_path, make_ckpt, run_cli):
+    """Every failed command gives one line on stderr, and with --json a document with "error"
+    and "exit_code": a failed verify printed its findings on stdout only, and its document
+    had neither field."""
+    ckpt = make_ckpt(tmp_path / "step_12")
+    broken = _flip_byte(ckpt)
+    r = run_cli("verify", ckpt)
+    lines = r.err.strip().splitlines()
+    assert r.code == 1 and len(lines) == 1 and "fails verification" in lines[0] and str(broken) in lines[0]
+    doc = json.loads(run_cli("verify", ckpt, "--json").out)
+    assert doc["ok"] is False and doc["exit_code"] == 1 and "checksum mismatch" in doc["error"]
+    assert doc["problems"]
+
+
+def test_a_broken_stdout_is_one_line_and_exit_2(tmp_path, make_ckpt):
+    """The reader of stdout gone (``ckptool ... | head -c 10`` when head is done): click ended
+    with exit 1 ("the checkpoint is bad") and no word; failure paths printed a traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ckpt = make_ckpt(tmp_path / "step_12")
+    repo = Path(__file__).resolve().parents[1]
+    for args in (["inspect", str(ckpt), "--json"], ["inspect", str(tmp_path / "missing"), "--json"]):
+        read, write = os.pipe()
+        os.close(read)
+        p = subprocess.run([sys.executable, "-m", "ckptool", *args], stdout=write, stderr=subprocess.PIPE,
+                           cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, timeout=120)
+        os.close(write)
+        err = p.stderr.decode()
+        assert p.returncode == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("args", [["inspect", ".", "--bogus"], ["verify", ".", "--workers", "0"],
+                                  ["convert", "a", "b", "--to", "bogus"]])
+def test_a_usage_error_is_one_line(args, run_cli):
+    """click's own errors printed its usage block (four lines) on stderr."""
+    r = run_cli(*args)
+    lines = r.err.strip().splitlines()
+    assert r.code == 2 and len(lines) == 1 and lines[0].startswith("ckptool: error: ") and "--help" in lines[0], r.err
