@@ -533,6 +533,14 @@ def _literal_targets(argv: list[str]) -> list[str]:
         elif seen_to and flag in _TARGET_FLAGS:
             tok = _TARGET_FLAGS[flag] + eq + value
         out.append(tok)
+    targets: dict[str, str] = {}  # one value per target axis: `--to-tp 1 --tp 2` was a silent TP2 copy
+    for i, tok in enumerate(out):
+        flag, eq, value = tok.partition("=")
+        if flag.startswith("--to-"):
+            value = value if eq else (out[i + 1] if i + 1 < len(out) else "")
+            if targets.setdefault(flag, value) != value:
+                raise click.UsageError(f"{flag} is given twice, as {targets[flag]} and {value} (a topology "
+                                       "flag after a --to-* flag is a target too)")
     return out
 
 
@@ -596,10 +604,11 @@ def _echo(text: str, err: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = _literal_targets(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
     gcpause.freeze_builds(True)  # a command's index lives until it ends: never walked again
     safe_pickle.bound_unwalked_pickles(True)  # what a large pickle claims fails, not allocated
     try:
+        argv = _literal_targets(argv)
         cli.main(args=argv, prog_name="ckptool", standalone_mode=False)
     except click.exceptions.Abort:
         _fail("aborted", 130, argv)

@@ -332,3 +332,11 @@ def test_a_usage_error_is_one_line(args, run_cli):
     r = run_cli(*args)
     lines = r.err.strip().splitlines()
     assert r.code == 2 and len(lines) == 1 and lines[0].startswith("ckptool: error: ") and "--help" in lines[0], r.err
+
+
+@pytest.mark.parametrize("flags", [["--to-tp", "1", "--tp", "2"], ["--to-dp=2", "--to-dp", "3"]])
+def test_one_target_axis_given_twice_is_refused(flags, tmp_path, make_ckpt, run_cli):
+    """`--to-tp 4 --tp 8` (meaning "from 8 to 4", backwards) was a silent TP8 copy, exit 0."""
+    src = make_ckpt(tmp_path / "src")
+    r = run_cli("reshard", src, tmp_path / "dst", *flags)
+    assert r.code == 2 and "is given twice" in r.err and not (tmp_path / "dst").exists(), r.err
