@@ -328,13 +328,18 @@ def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, to_zero, to_ep, to_etp, tp, p
         overwrite=overwrite, true_vocab_size=true_vocab_size, drop_optimizer=drop_optimizer,
         fsync=not no_fsync, format_options={"first_stage_layers": first_stage_layers,
                                             "last_stage_layers": last_stage_layers})
-    bar = out.progress(lambda: None, "reshard") if not dry_run else None
+    res = _with_bar(out, "reshard", dry_run, lambda progress: run(src, dst, options, progress=progress))
+    _render_rewrite(out, res, "resharded")
+
+
+def _with_bar(out: Output, desc: str, dry_run: bool, work):
+    """``work(progress)`` with a bar of the bytes written for a human at a terminal."""
+    bar = out.progress(lambda: None, desc) if not dry_run else None
     try:
-        res = run(src, dst, options, progress=bar.update if bar is not None else None)
+        return work(bar.update if bar is not None else None)
     finally:
         if bar is not None:
             bar.close()
-    _render_rewrite(out, res, "resharded")
 
 
 def _render_rewrite(out: Output, res, verb: str) -> None:
@@ -436,7 +441,8 @@ def convert(src, dst, to_format, tp, pp, dp, zero, ep, etp, megatron_names, mode
         format_options={"max_shard_size": max_shard_size, "dtype": dtype, "param_groups": param_groups,
                         "megatron_lr_schedule": megatron_lr_schedule,
                         "first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers})
-    res = run(src, dst, options, to_format=to_format)
+    res = _with_bar(out, "convert", dry_run, lambda progress: run(src, dst, options, to_format=to_format,
+                                                                 progress=progress))
     _render_rewrite(out, res, "converted")
 
 

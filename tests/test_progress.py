@@ -75,6 +75,7 @@ def test_reshard_and_verify_at_a_terminal_show_a_bar_and_finish(tmp_path, make_c
     src = make_ckpt(tmp_path / "src")
     repo = Path(__file__).resolve().parents[1]
     for args in (["reshard", str(src), str(tmp_path / "out"), "--to-dp", "2"],
+                 ["convert", str(src), str(tmp_path / "conv"), "--to", "dcp", "--dp", "2"],
                  ["verify", "--deep", str(src)]):
         leader, follower = pty.openpty()
         proc = subprocess.run([sys.executable, "-m", "ckptool", *args], cwd=repo, stdout=subprocess.PIPE,
