@@ -315,7 +315,7 @@ class Family:
     leaves out, where that is not what the rules assume alone (a value, or a function of the
     config read so far). A file written by hand or by an older transformers often leaves them
     out; read otherwise, the converted model computes something else (Mixtral's RoPE theta is
-    1e6, Qwen3-MoE routes to 8 experts, ...). ``tests/test_families.py`` checks it against the
+    1e6, Qwen3-MoE routes to 8 experts, ...). ``tests/test_config_fidelity.py`` checks it against the
     installed transformers."""
 
     def complete(self, config: dict) -> dict:
