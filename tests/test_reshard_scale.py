@@ -127,13 +127,20 @@ def test_a_killed_reshard_resumes_and_redoes_less_than_half(source, tmp_path, ru
     assert run_cli("verify", "--deep", dst).code == 0
 
 
-def test_a_rerun_with_other_arguments_does_not_reuse(source, tmp_path, run_cli):
-    dst = tmp_path / "out"
-    proc = _slow_reshard(source, dst)
-    while proc.poll() is None and not list(tmp_path.glob("out.tmp-*/.ckptool-done*")):
+def _killed_after_a_file(src: Path, dst: Path) -> list[Path]:
+    """A slow reshard of ``src`` to ``dst`` killed once it journals a finished file; the journals."""
+    proc = _slow_reshard(src, dst)
+    journals = f"{dst.name}.tmp-*/.ckptool-done*"
+    while proc.poll() is None and not list(dst.parent.glob(journals)):
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    return list(dst.parent.glob(journals))
+
+
+def test_a_rerun_with_other_arguments_does_not_reuse(source, tmp_path, run_cli):
+    dst = tmp_path / "out"
+    _killed_after_a_file(source, dst)
     r = run_cli("reshard", source, dst, "--to-dp", "8", "--json")  # another target
     assert r.code == 0 and json.loads(r.out)["reused_files"] == 0
 
@@ -359,12 +366,7 @@ def test_a_foreign_source_saved_again_before_the_rerun_is_another_job(tmp_path, 
     src = tmp_path / "src"
     save(1)
     dst = tmp_path / "out"
-    proc = _slow_reshard(src, dst)
-    while proc.poll() is None and not list(tmp_path.glob("out.tmp-*/.ckptool-done*")):
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert list(tmp_path.glob("out.tmp-*/.ckptool-done*"))
+    assert _killed_after_a_file(src, dst)
     time.sleep(0.01)  # a later modification time, even on a coarse clock
     state = save(2)
     r = run_cli("reshard", src, dst, "--to-dp", "16", "--workers", "1", "--json")
