@@ -313,3 +313,13 @@ def test_keep_last_prunes_steps_past_eight_digits_and_is_an_int(tmp_path):
         ckpt.save(step, {"w": torch.ones(2)})
         ckpt.wait()
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_100000001"]
+
+
+def test_two_state_keys_that_join_to_one_are_refused(tmp_path):
+    """``{"a.b": x}`` beside ``{"a": {"b": y}}``: one was saved over the other; the checkpoint
+    committed and then failed verify."""
+    from training import AsyncCheckpointer
+
+    ckpt = AsyncCheckpointer(str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="both 'a.b'"):
+        ckpt.save(1, {"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}})

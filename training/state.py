@@ -64,13 +64,21 @@ class Entry:
 
 
 def flatten(tree: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
-    """Leaves of nested dicts with their key paths (DCP joins them with dots)."""
-    if isinstance(tree, dict):
-        out = []
-        for k, v in tree.items():
-            out += flatten(v, (*path, str(k)))
-        return out
-    return [(path, tree)]
+    """Leaves of nested dicts with their key paths (DCP joins them with dots). Two leaves whose
+    paths join to one key (``{"a.b": x}`` beside ``{"a": {"b": y}}``) are refused: one would be
+    saved over the other (committed, then failing verify)."""
+    if not isinstance(tree, dict):
+        return [(path, tree)]
+    out = []
+    for k, v in tree.items():
+        out += flatten(v, (*path, str(k)))
+    if not path:
+        seen: dict[str, tuple] = {}
+        for p, _ in out:
+            if seen.setdefault(dotted(p), p) != p:
+                raise ValueError(f"state keys {list(seen[dotted(p)])} and {list(p)} are both "
+                                 f"{dotted(p)!r} in a checkpoint (DCP joins nested keys with dots)")
+    return out
 
 
 def dotted(path: tuple[str, ...]) -> str:

@@ -7,6 +7,7 @@ checkpoint directory is anything a format detects, or that has a manifest. Names
 
 from __future__ import annotations
 
+import posixpath
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -144,7 +145,8 @@ def _tracker_leads(store: Store, committed: list[Store]) -> bool:
         return False
     try:
         with store.open_file(tracker, "rb") as f:
-            tracked = iteration_from_name(f.read(64).decode("ascii", "replace").strip())
+            text = f.read(64).decode("ascii", "replace").strip()
+            tracked = iteration_from_name(posixpath.normpath(text) if text else text)  # `global_step2/`
     except (OSError, CkptoolError):
         return True
     if tracked is None:  # "release", or unreadable: the tracker says what Megatron loads

@@ -78,8 +78,7 @@ def inspect(url: str, *, top: int = 10) -> InspectResult:
         warnings.append(f"{index.contradicts}; conversions refuse it")
     model = index.layout(HfModel)
     if model is not None and model.unplaced:
-        warnings.append(f"{len(model.unplaced)} stored tensors have no place in a {model.family} model "
-                        f"(e.g. {', '.join(model.unplaced[:3])}); conversions refuse it")
+        warnings.append(f"{model.unplaced_words()}; conversions refuse it")
     return InspectResult(
         path=opened.store.url, format=opened.format, format_version=index.format_version,
         committed=committed, topology=index.topology.to_dict() if index.topology else None,

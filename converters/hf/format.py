@@ -47,8 +47,8 @@ from converters.schemas.hf import (
     family_of,
     family_of_config,
     hf_tensors,
+    refuse_schema_field,
     spec_from_config,
-    uncarried_field,
     unplaced_tensors,
 )
 
@@ -112,11 +112,7 @@ class HfReader(Reader):
         table = hf_tensors(spec, family, spec.vocab_size)
         view = remap(stored, table)
         if view.missing:
-            lost = uncarried_field(config, family, NAME)  # a field the table assumes otherwise
-            if lost is not None:
-                name, value, hint = lost
-                raise UsageError(f"config.json field {name}={str(value)[:80]} is not a {family} model "
-                                 f"ckptool lays out", path=store.display(CONFIG), hint=hint)
+            refuse_schema_field(config, family, store.display(CONFIG))
             raise BadCheckpoint(f"{len(view.missing)} tensors of a {family} model are missing, e.g. "
                                 f"{', '.join(view.missing[:3])}", path=store.url)
         model = HfModel(config, family, unplaced=unplaced_tensors(view.unused, spec, family))

@@ -39,6 +39,14 @@ class HfModel:
     """Stored tensors the family's table has no place for (a value head, a layer beyond
     ``num_hidden_layers``): read and verified, never dropped by a conversion."""
 
+    def unplaced_words(self) -> str:
+        """:attr:`unplaced` in words, for a refusal or a warning."""
+        return unplaced_words(self.unplaced, self.family)
+
+
+def unplaced_words(names, family: str | None) -> str:
+    return f"{len(names)} stored tensors have no place in a {family} model, e.g. {', '.join(list(names)[:3])}"
+
 
 FAMILIES = tuple(TABLES)
 _MODEL_TYPES = {t: f.name for f in TABLES.values() for t in f.model_types}
@@ -218,11 +226,20 @@ def refuse_uncarried_config(index: CheckpointIndex, target: str) -> None:
                          "output by ckptool yet, so the converted model would compute differently",
                          path=index.url, hint=f"{hint}; nothing was written")
     if model.unplaced:  # after the fields: one the table reads otherwise (a bias flag) explains them
-        raise UsageError(f"{len(model.unplaced)} stored tensors have no place in a {model.family} model, "
-                         f"e.g. {', '.join(model.unplaced[:3])}: {target} output would drop them",
+        raise UsageError(f"{model.unplaced_words()}: {target} output would drop them",
                          path=index.url, hint="transformers ignores them too when it loads the "
                          f"{_table(model.family).architecture}; remove them from the checkpoint to "
                          "convert it, or check --model-family; nothing was written")
+
+
+def refuse_schema_field(config: dict, family: str, where: str) -> None:
+    """Where a family's tensors are missing: refuse (exit 2) naming the config field the table
+    assumes otherwise (Qwen2-MoE's ``decoder_sparse_step``, a bias flag), if one does: the
+    tensors are then another model's, not a damaged checkpoint's."""
+    lost = uncarried_field(config, family, "hf")
+    if lost is not None:
+        raise UsageError(f"config field {lost[0]}={_short(lost[1])} is not a {family} model ckptool "
+                         "lays out", path=where, hint=lost[2])
 
 
 def _short(value) -> str:
@@ -249,13 +266,13 @@ def named_view(index: CheckpointIndex, config: dict, family: str | None, where: 
     view = remap(index, entries, prefixes)
     stray = unplaced_tensors([k for k in view.unused if k in model], spec, family)
     if view.missing:
+        refuse_schema_field(config, family, where)
         found = ", ".join(sorted(index.tensors)[:3]) or "nothing"
         raise UsageError(f"the tensors are not a {family} model's ({len(view.missing)} of its "
                          f"tensors are missing, e.g. {view.missing[0]}; found e.g. {found})",
                          path=where, hint="Check --model-config / --model-family")
     if stray:
-        raise UsageError(f"{len(stray)} tensors have no place in a {family} model, e.g. "
-                         f"{', '.join(stray[:3])}", path=where,
+        raise UsageError(unplaced_words(stray, family), path=where,
                          hint=f"Mapped families: {', '.join(FAMILIES)}")
     out = view.index
     out.model_config, out.true_vocab_size = asdict(spec), spec.vocab_size
@@ -294,4 +311,4 @@ def stored_view(index: CheckpointIndex, config: dict, aliases: dict[str, str]) -
 __all__ = ["CONFIG", "HfModel", "FAMILIES", "KEEPS_CONFIG", "hf_tensors", "family_of",
            "tied_aliases", "spec_from_config", "config_for", "family_of_config", "named_view",
            "known_family", "stored_view",
-           "uncarried_field", "refuse_uncarried_config", "unplaced_tensors"]
+           "uncarried_field", "refuse_uncarried_config", "unplaced_tensors", "refuse_schema_field"]
