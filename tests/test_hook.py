@@ -323,3 +323,15 @@ def test_two_state_keys_that_join_to_one_are_refused(tmp_path):
     ckpt = AsyncCheckpointer(str(tmp_path / "run"))
     with pytest.raises(ValueError, match="both 'a.b'"):
         ckpt.save(1, {"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}})
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.complex64, torch.uint16])
+def test_a_tensor_of_a_dtype_ckptool_does_not_write_is_refused_at_save(dtype, tmp_path):
+    """save() returned and the background write failed with a bare KeyError naming no key."""
+    from training import AsyncCheckpointer
+
+    ckpt = AsyncCheckpointer(str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="'odd'.*does not write yet"):
+        ckpt.save(1, {"w": torch.ones(2), "odd": torch.ones(4).to(dtype)})
+    ckpt.save(1, {"w": torch.ones(2)})
+    ckpt.wait()

@@ -41,6 +41,7 @@ from ckptool.core.manifest import MANIFEST, FileEntry, Manifest, write_manifest
 from ckptool.core.safe_pickle import trusted
 from ckptool.core.storage import Store, is_temporary
 from ckptool.core.regions import Region, Shard
+from ckptool.core.torchfile import writable_dtypes
 from training.state import (
     Owned,
     Sharded,
@@ -217,6 +218,10 @@ class AsyncCheckpointer:
                     torch.save(value, data)
                     objects[dotted(path)] = data.getvalue()
                 continue
+            if local.dtype not in writable_dtypes():  # on every rank, before any collective
+                kinds = ", ".join(sorted(str(d).removeprefix("torch.") for d in writable_dtypes()))
+                raise ValueError(f"state entry {dotted(path)!r} is a {local.dtype} tensor, which ckptool "
+                                 f"does not write yet (it writes {kinds})")
             if not writes:
                 continue
             key = dotted(path)

@@ -66,6 +66,12 @@ def _storage_names() -> dict:
 _STORAGE_NAMES_CACHE: dict = {}
 
 
+def writable_dtypes() -> frozenset:
+    """The tensor dtypes ckptool writes (torch's legacy storage types; fp8, complex and the
+    unsigned 16-64 bit kinds not yet)."""
+    return frozenset(_storage_names())
+
+
 @dataclass(frozen=True, slots=True)
 class StorageRef:
     key: str
