@@ -335,3 +335,31 @@ def test_a_tensor_of_a_dtype_ckptool_does_not_write_is_refused_at_save(dtype, tm
         ckpt.save(1, {"w": torch.ones(2), "odd": torch.ones(4).to(dtype)})
     ckpt.save(1, {"w": torch.ones(2)})
     ckpt.wait()
+
+
+def test_a_prune_that_fails_after_the_commit_is_a_warning(tmp_path, monkeypatch, caplog):
+    """keep_last's removal of an older step failed (a busy parallel-filesystem path, here made
+    to fail) after the new step was renamed into place: wait() said "not committed" while
+    latest named the step."""
+    import fsspec.implementations.local as local
+
+    from ckptool.checkpoints.latest import latest
+    from training import AsyncCheckpointer
+
+    root = tmp_path / "run"
+    ckpt = AsyncCheckpointer(str(root), keep_last=1)
+    ckpt.save(1, {"w": torch.ones(3)})
+    ckpt.wait()
+    rm = local.LocalFileSystem.rm
+
+    def busy(self, path, *args, **kwargs):
+        if str(path).endswith("step_00000001"):
+            raise OSError(16, "Device or resource busy", path)
+        return rm(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(local.LocalFileSystem, "rm", busy)
+    ckpt.save(2, {"w": torch.ones(3) * 2})
+    with caplog.at_level("WARNING"):
+        ckpt.wait()
+    assert ckpt.last_committed.endswith("step_00000002") and "removing older checkpoints failed" in caplog.text
+    assert latest(str(root)).path.endswith("step_00000002")

@@ -317,9 +317,13 @@ class AsyncCheckpointer:
                 os.rename(tmp.root, final.root)
             else:  # object stores: written in place; the manifest is the commit marker
                 final = tmp
-            self._retain(final)
-            if final.is_local:
-                self._sweep(step)
+            try:  # the step is committed: pruning older ones that fails is a warning, not a failed save
+                self._retain(final)
+                if final.is_local:
+                    self._sweep(step)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("[rank %s] committed %s, but removing older checkpoints failed: %s: %s",
+                               self._rank, final.url, type(exc).__name__, exc)
             logger.info("[rank %s] committed %s", self._rank, final.url)
             return final.url
         except BaseException as exc:  # noqa: BLE001
