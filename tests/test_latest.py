@@ -331,3 +331,48 @@ def test_a_save_symlinked_out_of_the_run_root_is_listed_as_skipped_and_never_pru
     assert (elsewhere / "ckptool.json").exists() and (root / "step_00000020").is_symlink()
     assert not (root / "step_00000010").exists()
     assert run_cli("verify", elsewhere, "--deep").code == 0
+
+
+_SAVER = """
+import sys, time
+import torch
+from training import AsyncCheckpointer
+ckpt, step, end = AsyncCheckpointer(sys.argv[1], keep_last=1), 0, time.time() + float(sys.argv[2])
+while time.time() < end:
+    step += 1
+    ckpt.save(step, {"w": torch.full((256, 256), float(step))})
+ckpt.wait()
+"""
+
+
+def test_latest_beside_a_job_that_saves_and_prunes_always_finds_one(tmp_path):
+    """A job saving with keep_last=1 as fast as it can, and `latest` called meanwhile: it judged
+    step N while the job committed N+1 and removed N, and said "no valid checkpoint" about a
+    tenth of the time although one existed at every moment. It lists again when the root
+    changed under it."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from ckptool.checkpoints.latest import latest
+    from ckptool.core.errors import NoCheckpoint
+
+    root = tmp_path / "run"
+    repo = Path(__file__).resolve().parents[1]
+    job = subprocess.Popen([sys.executable, "-c", _SAVER, str(root), "8"], cwd=repo)
+    try:
+        while not any(p.name.startswith("step_") and "." not in p.name
+                      for p in (root.iterdir() if root.exists() else [])):
+            time.sleep(0.05)
+        found = missed = 0
+        end = time.time() + 5
+        while time.time() < end:
+            try:
+                latest(str(root))
+                found += 1
+            except NoCheckpoint:
+                missed += 1
+    finally:
+        job.wait(timeout=120)
+    assert found > 50 and missed == 0, (found, missed)

@@ -35,6 +35,30 @@ def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
         raise NoCheckpoint("run root does not exist", path=store.url)
     if not store.isdir():
         raise UsageError("is a file, not a run root or a checkpoint directory", path=store.url)
+    for _ in range(_RELISTS):
+        listed = store.ls()
+        result, found, skipped = _newest(store, verify_checkpoints)
+        # the root changed while its candidates were judged (the job committed a newer save and
+        # its keep_last removed the one judged): list again
+        if result is not None or store.ls() == listed:
+            break
+    if result is not None:
+        return result
+    hint = f"{len(skipped)} candidate(s) skipped, see above" if skipped else \
+        "The directory holds no checkpoint"
+    if len(found) == 1 and found[0].store is store:
+        hint = _older_tracked(store, verify_checkpoints) or hint
+    error = NoCheckpoint("no valid checkpoint found", path=store.url, hint=hint)
+    error.skipped = skipped
+    raise error
+
+
+_RELISTS = 8
+
+
+def _newest(store: Store, verify_checkpoints: bool) -> tuple[LatestResult | None, list, list[Skipped]]:
+    """One pass over ``store``'s candidates: the newest valid one (or None), the candidates
+    and those skipped, with why."""
     if is_checkpoint(store):  # ROOT is itself a checkpoint
         found = [Candidate(store, is_temporary(store.name), (0, True, store.name))]
     else:
@@ -55,15 +79,9 @@ def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
             continue
         reason, fmt, iteration = _judge(cand.store, verify_checkpoints, named=cand.store is not store)
         if reason is None:
-            return LatestResult(cand.store.url, fmt, iteration, verify_checkpoints, skipped)
+            return LatestResult(cand.store.url, fmt, iteration, verify_checkpoints, skipped), found, skipped
         skipped.append(Skipped(cand.store.url, reason))
-    hint = f"{len(skipped)} candidate(s) skipped, see above" if skipped else \
-        "The directory holds no checkpoint"
-    if len(found) == 1 and found[0].store is store:
-        hint = _older_tracked(store, verify_checkpoints) or hint
-    error = NoCheckpoint("no valid checkpoint found", path=store.url, hint=hint)
-    error.skipped = skipped
-    raise error
+    return None, found, skipped
 
 
 def _older_tracked(store: Store, full: bool) -> str | None:
