@@ -144,7 +144,7 @@ def cli(trust: bool, storage_options: dict):
 
 @cli.command()
 @click.argument("ckpt", metavar="CKPT")
-@click.option("--top", default=10, show_default=True, help="How many of the largest tensors to list.")
+@click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="How many of the largest tensors to list.")
 @_output_options
 def inspect(ckpt: str, top: int, as_json: bool, quiet: bool):
     """Show what the checkpoint CKPT holds: format, topology, iteration, tensors by size.
@@ -446,6 +446,24 @@ def convert(src, dst, to_format, tp, pp, dp, zero, ep, etp, megatron_names, mode
     _render_rewrite(out, res, "converted")
 
 
+class _Rate(click.ParamType):
+    """A positive, finite GB/s (nan passed a FloatRange and printed "~nan s")."""
+
+    name = "GB/s"
+
+    def convert(self, value, param, ctx):
+        try:
+            rate = float(value)
+        except (TypeError, ValueError):
+            rate = float("nan")
+        if not 0 < rate < 1e6:
+            self.fail(f"{value!r} is not a rate in GB/s above 0", param, ctx)
+        return rate
+
+
+_RATE = _Rate()
+
+
 @cli.command()
 @click.option("--gpus", type=_SIZE, required=True, help="GPUs of the job.")
 @click.option("--tp", type=_SIZE, required=True, help="Tensor-parallel size.")
@@ -461,9 +479,9 @@ def convert(src, dst, to_format, tp, pp, dp, zero, ep, etp, megatron_names, mode
               help="Training dtype (bf16/fp16: mixed precision with fp32 masters).")
 @click.option("--gpu-mem", type=ByteSize(), help="GPU memory, e.g. 80GB: marks what fits.")
 @click.option("--gpus-per-node", type=_SIZE, default=8, show_default=True)
-@click.option("--h2d-gbps", type=float, default=20.0, show_default=True,
+@click.option("--h2d-gbps", type=_RATE, default=20.0, show_default=True,
               help="Device-to-host copy GB/s (pinned memory) for the save stall.")
-@click.option("--storage-gbps", type=float, default=10.0, show_default=True,
+@click.option("--storage-gbps", type=_RATE, default=10.0, show_default=True,
               help="Aggregate storage write GB/s.")
 @click.option("--from", "from_ckpt", metavar="CKPT",
               help="A checkpoint: list the topologies it reshards to for --gpus.")

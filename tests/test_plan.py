@@ -94,3 +94,13 @@ def test_restart_options_from_a_checkpoint(tmp_path, run_cli, make_ckpt):
         assert got == want
     first = res["restarts"][0]
     assert (first["tp"], first["pp"], first["same_model_parallel"]) == (4, 2, True)  # listed first
+
+
+@pytest.mark.parametrize("args", [["--params", "70B", "--h2d-gbps", "0"], ["--params", "70B", "--storage-gbps", "nan"],
+                                  ["--params", "70B", "--storage-gbps", "-5"], ["--params", "1e400"],
+                                  ["--params", "0"]])
+def test_rates_and_counts_that_are_not_are_usage_errors(args, run_cli):
+    """A zero rate was a ZeroDivisionError "check the checkpoint" (there is none), nan and
+    negative rates printed "~nan s" and "~-196 s" with exit 0, 1e400 parameters overflowed."""
+    r = run_cli("plan", "--gpus", "64", "--tp", "8", "--pp", "2", *args)
+    assert r.code == 2 and len(r.err.strip().splitlines()) == 1 and "Check the checkpoint" not in r.err, r.err

@@ -214,7 +214,10 @@ def parse_count(text: str) -> int:
     if not m:
         raise UsageError(f"{text!r} is not a parameter count", hint="Use e.g. 70B, 1.3B, 350M")
     scale = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}[m.group(2).upper()]
-    return int(float(m.group(1)) * scale)
+    count = float(m.group(1)) * scale
+    if not 1 <= count < 1e16:  # zero, or past any model (1e400 is inf)
+        raise UsageError(f"{text!r} is not a parameter count of a model", hint="Use e.g. 70B, 1.3B, 350M")
+    return int(count)
 
 
 def model_from(path: str) -> tuple[ModelSpec, Topology | None]:
