@@ -363,3 +363,19 @@ def test_a_prune_that_fails_after_the_commit_is_a_warning(tmp_path, monkeypatch,
         ckpt.wait()
     assert ckpt.last_committed.endswith("step_00000002") and "removing older checkpoints failed" in caplog.text
     assert latest(str(root)).path.endswith("step_00000002")
+
+
+def test_a_save_in_flight_at_exit_is_finished(tmp_path):
+    """A script that ends right after its last save(), without wait() or close(): the writer
+    thread is a daemon and exit killed it, exit 0, the last save lost without a word."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = tmp_path / "run"
+    code = ("import torch\nfrom training import AsyncCheckpointer\n"
+            f"AsyncCheckpointer({str(root)!r}).save(1000, {{'w': torch.randn(2000, 2000)}})\n")
+    repo = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (root / "step_00001000" / "ckptool.json").exists(), sorted(p.name for p in root.iterdir())

@@ -12,6 +12,7 @@ raised by the next ``save()`` or ``wait()``. The result is a plain DCP checkpoin
 
 from __future__ import annotations
 
+import atexit
 import io
 import logging
 import operator
@@ -19,6 +20,7 @@ import os
 import re
 import threading
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +120,7 @@ class AsyncCheckpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_committed: str | None = None
+        atexit.register(_finish_at_exit, weakref.ref(self))
 
     # ------------------------------------------------------------------ public API
 
@@ -449,6 +452,20 @@ class _ProcessWriter:
             self._jobs.put(None)
             self._proc.join(timeout=30)
         self._proc = None
+
+
+def _finish_at_exit(ref: "weakref.ref[AsyncCheckpointer]") -> None:
+    """At interpreter exit, the save still being written is finished (its writer thread is a
+    daemon, which exit would kill: the last save was lost without a word); a failure is logged."""
+    ckpt = ref()
+    if ckpt is None or ckpt._thread is None:
+        return
+    logger.info("[rank %s] exiting: finishing the save in flight (call wait() or close() before exit)",
+                ckpt._rank)
+    try:
+        ckpt.wait()
+    except BaseException as exc:  # noqa: BLE001 - at exit: say it, never raise
+        logger.warning("[rank %s] the save in flight at exit failed: %s", ckpt._rank, exc)
 
 
 def load(path: str, state: dict, rank: int = 0) -> int | None:
