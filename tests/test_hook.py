@@ -379,3 +379,19 @@ def test_a_save_in_flight_at_exit_is_finished(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert (root / "step_00001000" / "ckptool.json").exists(), sorted(p.name for p in root.iterdir())
+
+
+def test_a_tensor_without_elements_is_saved_and_loads(tmp_path):
+    """``torch.empty(0, 16)`` (a LoRA matrix of rank 0): nothing was stored for it, the
+    checkpoint verified, and both load_latest and torch's dcp.load failed on the missing key."""
+    from training import AsyncCheckpointer
+
+    root = tmp_path / "run"
+    ckpt = AsyncCheckpointer(str(root))
+    ckpt.save(1, {"w": torch.ones(2), "lora_b": torch.empty(0, 16)})
+    ckpt.wait()
+    state = {"w": torch.zeros(2), "lora_b": torch.empty(0, 16)}
+    assert AsyncCheckpointer(str(root)).load_latest(state) == 1 and torch.equal(state["w"], torch.ones(2))
+    plain = {"w": torch.zeros(2), "lora_b": torch.empty(0, 16)}
+    dcp.load(plain, checkpoint_id=str(root / "step_00000001"))
+    assert torch.equal(plain["w"], torch.ones(2)) and plain["lora_b"].shape == (0, 16)
