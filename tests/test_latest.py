@@ -341,6 +341,7 @@ ckpt, step, end = AsyncCheckpointer(sys.argv[1], keep_last=1), 0, time.time() + 
 while time.time() < end:
     step += 1
     ckpt.save(step, {"w": torch.full((256, 256), float(step))})
+    time.sleep(0.02)  # a save every ~30 ms: far faster than any job, and a prune in most calls
 ckpt.wait()
 """
 

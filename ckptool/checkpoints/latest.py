@@ -53,7 +53,7 @@ def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
     raise error
 
 
-_RELISTS = 8
+_RELISTS = 50
 
 
 def _newest(store: Store, verify_checkpoints: bool) -> tuple[LatestResult | None, list, list[Skipped]]:
