@@ -395,3 +395,16 @@ def test_a_tensor_without_elements_is_saved_and_loads(tmp_path):
     plain = {"w": torch.zeros(2), "lora_b": torch.empty(0, 16)}
     dcp.load(plain, checkpoint_id=str(root / "step_00000001"))
     assert torch.equal(plain["w"], torch.ones(2)) and plain["lora_b"].shape == (0, 16)
+
+
+def test_int_keys_of_the_state_load_under_their_own_keys(tmp_path):
+    """An optimizer-style ``{0: {...}}`` (LBFGS state): load failed with a bare KeyError '0', or
+    wrote the value under '0' and left the int key as it was."""
+    from training import AsyncCheckpointer
+
+    ckpt = AsyncCheckpointer(str(tmp_path / "run"))
+    ckpt.save(1, {"w": torch.ones(2), "opt": {0: {"n_iter": 7}, 1: 3}})
+    ckpt.wait()
+    state = {"w": torch.zeros(2), "opt": {0: {"n_iter": 0}, 1: 0}}
+    assert AsyncCheckpointer(str(tmp_path / "run")).load_latest(state) == 1
+    assert state["opt"] == {0: {"n_iter": 7}, 1: 3}

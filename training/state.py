@@ -148,10 +148,18 @@ def boxes(shard: Shard, buffer: torch.Tensor):
 
 
 def set_leaf(state: dict, path: tuple[str, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` (:func:`flatten`'s, whose keys are strings) in ``state``, under
+    the keys the state has (an optimizer's ``{0: {...}}`` keeps its int keys)."""
     node = state
     for k in path[:-1]:
-        node = node[k]
-    node[path[-1]] = value
+        node = node[_own_key(node, k)]
+    node[_own_key(node, path[-1])] = value
+
+
+def _own_key(node: dict, key: str):
+    if key in node:
+        return key
+    return next((k for k in node if str(k) == key), key)
 
 
 _DTENSOR: list = []
