@@ -7,7 +7,6 @@ checkpoint directory is anything a format detects, or that has a manifest. Names
 
 from __future__ import annotations
 
-import posixpath
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,7 @@ from ckptool.core.gcpause import paused_gc
 from ckptool.core.index import CheckpointIndex, Reader
 from ckptool.core.manifest import MANIFEST, Manifest, read_manifest
 from ckptool.core.safe_pickle import trusted
-from ckptool.core.storage import Store, is_temporary
+from ckptool.core.storage import Store, is_temporary, plain_name, pointer_text
 from ckptool.core.topology import Topology
 from ckptool.core.view import ViewReader
 
@@ -144,9 +143,7 @@ def _tracker_leads(store: Store, committed: list[Store]) -> bool:
     if tracker is None:
         return False
     try:
-        with store.open_file(tracker, "rb") as f:
-            text = f.read(64).decode("ascii", "replace").strip()
-            tracked = iteration_from_name(posixpath.normpath(text) if text else text)  # `global_step2/`
+        tracked = iteration_from_name(plain_name(pointer_text(store, tracker)) or "")
     except (OSError, CkptoolError):
         return True
     if tracked is None:  # "release", or unreadable: the tracker says what Megatron loads

@@ -250,17 +250,14 @@ class DcpContainerReader(Reader):
         return archive.materialize(archive.obj)
 
 
-_METADATA_FLOOR = METADATA_LIMIT
-"""A DCP ``.metadata`` up to this size is read as it is; a larger one only when the files it
-describes hold more bytes (a 405B model's, saved by 512 ranks, is 0.3 GB for 4 TB)."""
-
-
 def read_metadata(store: Store):
     if not store.exists(METADATA):
         raise BadCheckpoint("DCP metadata file is missing", path=store.display(METADATA),
                             hint="The checkpoint is incomplete; use an older one")
     size = store.size(METADATA)
-    if size > _METADATA_FLOOR:  # a real one is a small part of what it describes
+    # up to METADATA_LIMIT it is read as it is; larger only when the files it describes hold
+    # more bytes (a 405B model's, saved by 512 ranks, is 0.3 GB for 4 TB)
+    if size > METADATA_LIMIT:
         data_bytes = sum(n for rel, n in store.files().items() if rel != METADATA)
         if size > data_bytes:
             raise BadCheckpoint(f"DCP metadata is {size} bytes, more than all the data it describes "

@@ -33,6 +33,8 @@ from ckptool.core.topology import Topology
 
 MANIFEST = "ckptool.json"
 MANIFEST_VERSION = 1
+MANIFEST_LIMIT = 256 << 20
+"""The largest manifest read (1.7M file entries): past it, a damaged or crafted file."""
 HASH = "xxh3-128"
 SELF = "manifest_xxh3_128"
 """The manifest's checksum of itself: xxh3-128 of its other fields, in canonical JSON. A manifest
@@ -184,7 +186,7 @@ def read_manifest(store: Store) -> Manifest | None:
     """The manifest of ``store``, or None if it has none (not committed, or foreign)."""
     if not store.exists(MANIFEST):
         return None
-    return Manifest.from_json(store.read_small(MANIFEST, 256 << 20), store.display(MANIFEST))
+    return Manifest.from_json(store.read_small(MANIFEST, MANIFEST_LIMIT), store.display(MANIFEST))
 
 
 def write_manifest(store: Store, manifest: Manifest) -> None:

@@ -166,8 +166,8 @@ class Store:
         reason = path_problem(rel)
         where = self.display(named_by) if named_by else self.display()
         if reason is None and rel and self.is_local:
-            real = os.path.realpath(self.path(rel))
-            if not _within(real, self._real_boundary()):
+            real = self._outside(self.path(rel))
+            if real is not None:
                 reason = f"is a symlink to {real}, outside the checkpoint"
                 where = self.display(named_by) if named_by else self.display(rel)
         if reason is None:
@@ -246,8 +246,7 @@ class Store:
             is_dir = e.is_dir(follow_symlinks=False)
             if e.is_symlink():
                 inner = posixpath.join(rel, e.name) if rel else e.name
-                is_dir = _within(os.path.realpath(e.path), self._real_boundary()) and \
-                    self.fs.isdir(self.path(inner))
+                is_dir = self._outside(e.path) is None and self.fs.isdir(self.path(inner))
             out.append((e.name, is_dir))
         return sorted(out)
 
@@ -257,10 +256,14 @@ class Store:
         if not self.is_local:
             return None
         path = self.path(rel)
-        if not os.path.islink(path):
-            return None
+        real = self._outside(path) if os.path.islink(path) else None
+        return real if real is not None and os.path.isdir(real) else None
+
+    def _outside(self, path: str) -> str | None:
+        """Where the local ``path`` resolves (symlinks followed) when that is outside this
+        store's boundary; None inside: the one containment test of local paths."""
         real = os.path.realpath(path)
-        return real if not _within(real, self._real_boundary()) and os.path.isdir(real) else None
+        return None if _within(real, self._real_boundary()) else real
 
     def files(self) -> dict[str, int]:
         """Every regular file below this store that reading may touch: relative path -> size.
@@ -280,7 +283,6 @@ class Store:
                     if name.startswith(prefix)}, {}
         files: dict[str, int] = {}
         refused: dict[str, str] = {}
-        boundary = self._real_boundary()
         pending = [""]
         seen: set[str] = set()
         while pending:
@@ -292,8 +294,8 @@ class Store:
             for e in entries:
                 inner = posixpath.join(rel, e.name) if rel else e.name
                 if e.is_symlink():
-                    real = os.path.realpath(e.path)
-                    if not _within(real, boundary):
+                    real = self._outside(e.path)
+                    if real is not None:
                         refused[inner] = f"is a symlink to {real}, outside the checkpoint"
                         continue
                 try:
@@ -546,6 +548,23 @@ class RangeReader:
 _POINTER_BYTES = 4096
 
 
+def pointer_text(store: Store, pointer: str) -> str:
+    """What a pointer file (Megatron's tracker, DeepSpeed's ``latest``) says: its first
+    :data:`_POINTER_BYTES`, stripped (a pointer is a short name, whatever the file holds)."""
+    return store.read_bytes(pointer, 0, _POINTER_BYTES).decode(errors="replace").strip()
+
+
+def plain_name(name: str | None) -> str | None:
+    """A directory name a pointer gives, in its plain form (``global_step2/`` and
+    ``./global_step2`` are ``global_step2``, as the frameworks' loaders read them); None for
+    one that names no directory (``.``). One that leaves the checkpoint is left as it is, for
+    the containment check to name."""
+    if not name or path_problem(name) is not None:
+        return name
+    plain = posixpath.normpath(name)
+    return None if plain == "." else plain
+
+
 def pointed_dir(store: Store, pointer: str, name_of: Callable[[str], str | None] = lambda t: t) -> str | None:
     """The directory that the pointer file ``pointer`` names (Megatron's tracker, DeepSpeed's
     ``latest``), or None when there is no such file: the one rule for every pointer.
@@ -555,11 +574,8 @@ def pointed_dir(store: Store, pointer: str, name_of: Callable[[str], str | None]
     :class:`DanglingPointer`, never a substitution by another checkpoint."""
     if not store.exists(pointer) or store.isdir(pointer):
         return None
-    text = store.read_bytes(pointer, 0, _POINTER_BYTES).decode(errors="replace").strip()
-    name = name_of(text) if text else None
-    if name and path_problem(name) is None:  # `global_step2/`, `./global_step2`: that directory
-        name = posixpath.normpath(name)
-        name = None if name == "." else name
+    text = pointer_text(store, pointer)
+    name = plain_name(name_of(text)) if text else None
     if not name:
         raise BadCheckpoint(f"{pointer} holds {text[:60]!r}, which names no checkpoint",
                             path=store.display(pointer), hint="Fix or remove the file")
@@ -639,7 +655,6 @@ class RenameOutput(AtomicOutput):
             else:
                 os.unlink(old)
         return self.final
-
 
     def abort(self) -> None:
         super().abort()
