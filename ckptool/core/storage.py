@@ -367,7 +367,7 @@ class Store:
         size = self.size(rel) if self.is_local else None  # a stat locally; a HEAD is not worth it
         data = self.read_bytes(rel, 0, limit + 1) if size is None or size <= limit else b""
         if (size or 0) > limit or len(data) > limit:
-            raise BadCheckpoint(f"{posixpath.basename(rel) or 'the file'} is "
+            raise BadCheckpoint(f"{posixpath.basename(rel) or self.name} is "
                                 f"{size if size is not None else 'over ' + str(limit)} bytes, more than "
                                 f"any such file ckptool reads ({limit >> 20} MiB): damaged, or not what "
                                 "its name says", path=self.display(rel))

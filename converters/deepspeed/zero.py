@@ -24,14 +24,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptool.core import VERSION
-from ckptool.core.errors import BadCheckpoint, TopologyError, UnreadableInput
+from ckptool.core.errors import BadCheckpoint, CkptoolError, TopologyError, UnreadableInput
 from ckptool.core.index import CheckpointIndex, Location, Piece, TensorInfo
 from ckptool.core.jsonfile import json_object
 from ckptool.core.lazy import lazy
 from ckptool.core.optimizer import ParamGroups, state_key, torch_state_dict
 from ckptool.core.regions import Region, Shard
 from ckptool.core.safe_pickle import record_class
-from ckptool.core.storage import METADATA_LIMIT, Store
+from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from ckptool.core.torchfile import TensorRef
 from ckptool.core.torchreader import TorchFileReader
@@ -335,11 +335,9 @@ class ZeroReader(TorchFileReader):
         if self.model_config:
             where = self.model_config
             try:
-                with open(where, "rb") as f:
-                    raw = f.read(METADATA_LIMIT + 1)
-                if len(raw) > METADATA_LIMIT:
-                    raise UsageError(f"the model config is over {METADATA_LIMIT >> 20} MiB: not a config",
-                                     path=where)
+                raw = Store.open(where).read_small("")  # bounded, as every JSON document read
+            except CkptoolError:  # not found, too large: said as it is
+                raise
             except OSError as exc:
                 raise UnreadableInput(f"cannot read the model config ({exc.strerror})",
                                       path=where) from None

@@ -54,6 +54,7 @@ from converters.schemas.megatron_args import (
     UnevenStages,
     feature_notes,
     ignored_by_legacy,
+    megatron_deepspeed,
     refuse_unapplied_by_legacy,
     refuse_unrunnable_gelu,
     source_dtype,
@@ -539,7 +540,7 @@ class MegatronWriter(UnevenStages, Writer):
         names = index.layout(Names)
         args = index.objects.get("args")
         if schema == "legacy" and not (names is not None and names.schema == "legacy") and not (
-                args is not None and hasattr(args.value, "rope_theta")):
+                args is not None and megatron_deepspeed(args.value)):
             # a legacy source keeps its args as they are; Megatron-DeepSpeed applies its rope_theta
             refuse_unapplied_by_legacy(spec)
         it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)

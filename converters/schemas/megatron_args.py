@@ -161,12 +161,18 @@ def unapplied_by_legacy(spec: ModelSpec) -> tuple[str, object, str, str] | None:
     return None
 
 
+def megatron_deepspeed(args) -> bool:
+    """Whether Megatron ``args`` are Megatron-DeepSpeed's (its ``rope_theta``, which its legacy-named
+    model applies, where Megatron-LM's legacy model applies no RoPE base at all)."""
+    return hasattr(args, "rope_theta")
+
+
 def ignored_by_legacy(args: argparse.Namespace, spec: ModelSpec | None = None) -> str | None:
     """What Megatron-LM ``args`` of a legacy-model checkpoint set that its code never applied,
     in words (:func:`unapplied_by_legacy` of ``spec``, the args' model); None when nothing. The
     stored args then say one model and the weights were trained as another. Megatron-DeepSpeed's
     args (``rope_theta``, which its model applies) are not Megatron-LM's."""
-    if hasattr(args, "rope_theta"):
+    if megatron_deepspeed(args):
         return None
     found = unapplied_by_legacy(spec or spec_from_args(args, model="legacy")[0])
     if found is None:
@@ -510,10 +516,9 @@ def update_args(args: argparse.Namespace | None, spec: ModelSpec, topo: Topology
     new.world_size = topo.world
     new.padded_vocab_size = spec.padded_vocab(topo.tp)
     new.virtual_pipeline_model_parallel_size = topo.vpp if topo.vpp > 1 else None
-    # Megatron reads either field for the virtual pipeline: both say the target's (a source's
-    # layers per virtual stage, kept, made ckptool read its own VPP1 output as VPP2 and refuse it)
-    # in the spelling the source used (Megatron refuses both at once): its newer one, or else
-    # layers per virtual stage
+    # the virtual pipeline in the spelling the source used (Megatron refuses both at once), set
+    # for the target: a source's layers per virtual stage, kept at VPP1, made ckptool read its
+    # own output as VPP2 again
     if _get(new, "num_virtual_stages_per_pipeline_rank") is not None:
         new.num_virtual_stages_per_pipeline_rank = topo.vpp if topo.vpp > 1 else None
         new.num_layers_per_virtual_pipeline_stage = None
