@@ -323,6 +323,8 @@ def test_two_state_keys_that_join_to_one_are_refused(tmp_path):
     ckpt = AsyncCheckpointer(str(tmp_path / "run"))
     with pytest.raises(ValueError, match="both 'a.b'"):
         ckpt.save(1, {"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}})
+    with pytest.raises(ValueError, match="both 'opt.1'"):
+        ckpt.save(1, {"opt": {1: torch.ones(2), "1": torch.zeros(2)}})
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.complex64, torch.uint16])

@@ -73,11 +73,13 @@ def flatten(tree: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...]
     for k, v in tree.items():
         out += flatten(v, (*path, str(k)))
     if not path:
-        seen: dict[str, tuple] = {}
+        seen: dict[str, tuple] = {}  # every leaf's own key path is distinct: a repeat is a collision
         for p, _ in out:
-            if seen.setdefault(dotted(p), p) != p:
-                raise ValueError(f"state keys {list(seen[dotted(p)])} and {list(p)} are both "
-                                 f"{dotted(p)!r} in a checkpoint (DCP joins nested keys with dots)")
+            key = dotted(p)
+            if key in seen:  # {"a.b": x, "a": {"b": y}}, or {1: x, "1": y}
+                raise ValueError(f"state keys {list(seen[key])} and {list(p)} are both {key!r} in a "
+                                 "checkpoint (DCP joins nested keys with dots, as strings)")
+            seen[key] = p
     return out
 
 
