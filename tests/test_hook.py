@@ -376,11 +376,16 @@ def test_a_save_in_flight_at_exit_is_finished(tmp_path):
 
     root = tmp_path / "run"
     code = ("import torch\nfrom training import AsyncCheckpointer\n"
-            f"AsyncCheckpointer({str(root)!r}).save(1000, {{'w': torch.randn(2000, 2000)}})\n")
+            f"AsyncCheckpointer({str(root)!r}).save(1000, {{'w': torch.arange(4e6).reshape(2000, 2000)}})\n")
     repo = Path(__file__).resolve().parents[1]
     p = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert (root / "step_00001000" / "ckptool.json").exists(), sorted(p.name for p in root.iterdir())
+    from training import AsyncCheckpointer
+
+    state = {"w": torch.zeros(2000, 2000)}
+    assert AsyncCheckpointer(str(root)).load_latest(state) == 1000
+    assert torch.equal(state["w"], torch.arange(4e6).reshape(2000, 2000))
 
 
 def test_a_tensor_without_elements_is_saved_and_loads(tmp_path):
