@@ -283,6 +283,9 @@ def _rewrite_options(f):
         click.option("--no-fsync", is_flag=True,
                      help="Leave DST's write-back to the kernel, as cp does (faster; the commit is "
                           "still atomic, but after a power loss run `ckptool verify` before use)."),
+        click.option("--no-verify-source", is_flag=True,
+                     help="Do not hash SRC's files against its manifest while writing (by default a "
+                          "source that does not match is refused and nothing is committed)."),
     ]):
         f = option(f)
     return _output_options(f)
@@ -307,7 +310,7 @@ def _rewrite_options(f):
 def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, to_zero, to_ep, to_etp, tp, pp, dp, ep, etp,
             true_vocab_size, workers,
             first_stage_layers, last_stage_layers, dry_run, overwrite, drop_optimizer, no_fsync,
-            as_json, quiet):
+            no_verify_source, as_json, quiet):
     """Rewrite the checkpoint SRC at DST for another TP/PP layout, same format.
 
     SRC's topology is read from it; --tp/--pp/--dp before the --to-* flags are assertions.
@@ -326,8 +329,9 @@ def reshard(src, dst, to_tp, to_pp, to_dp, to_vpp, to_zero, to_ep, to_etp, tp, p
             "etp": to_etp},
         expect={"tp": tp, "pp": pp, "dp": dp, "ep": ep, "etp": etp}, workers=workers, dry_run=dry_run,
         overwrite=overwrite, true_vocab_size=true_vocab_size, drop_optimizer=drop_optimizer,
-        fsync=not no_fsync, format_options={"first_stage_layers": first_stage_layers,
-                                            "last_stage_layers": last_stage_layers})
+        fsync=not no_fsync, verify_source=not no_verify_source,
+        format_options={"first_stage_layers": first_stage_layers,
+                        "last_stage_layers": last_stage_layers})
     res = _with_bar(out, "reshard", dry_run, lambda progress: run(src, dst, options, progress=progress))
     _render_rewrite(out, res, "resharded")
 
@@ -420,7 +424,7 @@ class FormatType(click.ParamType):
 def convert(src, dst, to_format, tp, pp, dp, zero, ep, etp, megatron_names, model_family, model_config,
             max_shard_size, dtype, init_optimizer, param_groups, megatron_lr_schedule,
             true_vocab_size, workers, first_stage_layers, last_stage_layers, dry_run, overwrite,
-            drop_optimizer, no_fsync, as_json, quiet):
+            drop_optimizer, no_fsync, no_verify_source, as_json, quiet):
     """Write the checkpoint SRC at DST in another format, optionally at another TP/PP.
 
     --tp/--pp/--dp describe the target (SRC's own layout is read from it).
@@ -438,6 +442,7 @@ def convert(src, dst, to_format, tp, pp, dp, zero, ep, etp, megatron_names, mode
         overwrite=overwrite, true_vocab_size=true_vocab_size, drop_optimizer=drop_optimizer,
         names=megatron_names, model_family="gpt2" if model_family == "gpt" else model_family,
         model_config=model_config, init_optimizer=init_optimizer, fsync=not no_fsync,
+        verify_source=not no_verify_source,
         format_options={"max_shard_size": max_shard_size, "dtype": dtype, "param_groups": param_groups,
                         "megatron_lr_schedule": megatron_lr_schedule,
                         "first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers})

@@ -374,3 +374,51 @@ def test_a_foreign_source_saved_again_before_the_rerun_is_another_job(tmp_path, 
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
     tdcp.load(loaded, checkpoint_id=str(dst))
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def _damaged_copy(source: Path, to: Path) -> Path:
+    """A copy of ``source`` with one bit flipped in its largest data file: every piece still
+    reads (the engine would copy it), only the hash tells."""
+    from ckptool.checkpoints.open import open_checkpoint
+    from tests.harness.damage import patch
+
+    shutil.copytree(source, to)
+    largest = max((p for p in to.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    piece = next(p for t in open_checkpoint(str(to)).index.tensors.values() for p in t.pieces
+                 if p.location.file == largest.name)
+    at = piece.location.offset + piece.location.length // 2  # inside the tensor's bytes
+    patch(largest, at, bytes([largest.read_bytes()[at] ^ 0x01]))
+    return largest
+
+
+def test_a_source_that_does_not_match_its_manifest_is_refused_not_resealed(source, tmp_path, run_cli):
+    """A reshard of a checkpoint damaged on the disk would seal the damage under a fresh,
+    valid manifest: the source's files are hashed against its manifest while the output is
+    written, and a mismatch fails the command (exit 1) with nothing committed.
+    ``--no-verify-source`` trusts the source (the output then verifies: the damage is in it)."""
+    src = tmp_path / "src"
+    damaged = _damaged_copy(source, src)
+    for argv in (["reshard", src, tmp_path / "dst", "--to-dp", "3"],
+                 ["convert", src, tmp_path / "dst", "--to", "dcp", "--dp", "3"]):
+        r = run_cli(*argv)
+        assert r.code == 1, (argv, r.err)
+        assert damaged.name in r.err and "does not match the source's manifest" in r.err, r.err
+        assert "Traceback" not in r.err and len(r.err.strip().splitlines()) == 1, r.err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no DST, no DST.tmp-*
+    r = run_cli("reshard", src, tmp_path / "trusted", "--to-dp", "3", "--no-verify-source")
+    assert r.code == 0, r.err
+    assert run_cli("verify", tmp_path / "trusted").code == 0
+
+
+def test_torchrun_ranks_all_fail_when_one_rank_finds_the_source_damaged(source, tmp_path):
+    """Each rank hashes its share of the source's files; the rank that finds the damage tells
+    the others, so every rank exits 1 (none hangs in the commit) and nothing is committed."""
+    src = tmp_path / "src"
+    _damaged_copy(source, src)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+         "127.0.0.1", "--master_port", str(free_port()), "-m", "ckptool", "reshard", str(src),
+         str(tmp_path / "dst"), "--to-dp", "5"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode != 0
+    assert proc.stderr.count("does not match the source's manifest") == 2, proc.stderr[-4000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

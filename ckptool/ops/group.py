@@ -74,6 +74,16 @@ class Group:
             raise OSError(f"reshard failed on rank(s) {failed}; their errors are in their logs")
         return [FileEntry(*e) for part, _ in out for e in part], sum(n for _, n in out)
 
+    def first_problem(self, problem: str | None) -> str | None:
+        """The first rank's problem (a string, or None where it found none), on every rank."""
+        if self.world == 1:
+            return problem
+        import torch.distributed as dist  # lazy: only under torchrun
+
+        out = [None] * self.world
+        dist.all_gather_object(out, problem)
+        return next((p for p in out if p is not None), None)
+
     def gather_records(self, writer) -> None:
         """Rank 0's writer absorbs the per-file records of the files other ranks wrote."""
         if self.world == 1:

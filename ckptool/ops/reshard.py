@@ -59,6 +59,8 @@ class RewriteOptions:
     """Give a weights-only source a fresh optimizer state (deepspeed targets)."""
     fsync: bool = True
     """False leaves the write-back to the kernel (the commit is still atomic)."""
+    verify_source: bool = True
+    """Hash the source's files against its manifest while writing (False: trust it)."""
     format_options: Mapping[str, object] = field(default_factory=dict)
     """The target format's own (hf: max_shard_size, dtype; megatron: uneven stages...)."""
 
@@ -244,7 +246,8 @@ def rewrite(opened: Opened, dst: str, fmt: str, options: RewriteOptions,
     job = WriteJob(opened=opened, dst=dst, fmt=fmt, writer=writer, plan=plan, spec=spec,
                    target=target_topo, weights_only=weights_only, format_options=format_options,
                    names=options.names, true_vocab_size=options.true_vocab_size,
-                   overwrite=options.overwrite, workers=options.workers, fsync=options.fsync)
+                   overwrite=options.overwrite, workers=options.workers, fsync=options.fsync,
+                   verify_source=options.verify_source)
     destination, reused = write_output(job, result, progress)
     return ReshardResult(**{**{f.name: getattr(result, f.name) for f in fields(result)},
                             "destination": destination, "reused_files": reused,

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import errno
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Mapping
 
 from ckptool.checkpoints.open import Opened, require_safe_pickles
 from ckptool.core.engine import Producer, ScratchPool, TargetFile
-from ckptool.core.errors import CkptoolError, OutputFailed
+from ckptool.core.errors import BadCheckpoint, CkptoolError, OutputFailed
 from ckptool.core.index import Writer
 from ckptool.core.layout import ModelSpec
-from ckptool.core.manifest import FileEntry, Manifest, hash_files, write_manifest
+from ckptool.core.manifest import FileEntry, Manifest, hash_file, hash_files, write_manifest
 from ckptool.core.storage import Store, atomic_output
 from ckptool.core.topology import Topology
 from ckptool.ops import journal
@@ -44,6 +45,9 @@ class WriteJob:
     overwrite: bool
     workers: int
     fsync: bool
+    verify_source: bool = True
+    """Hash SRC's files against its manifest while writing (a source without one has no
+    checksums to compare: nothing is hashed)."""
 
 
 def write_output(job: WriteJob, result, progress: Callable[[int], object] | None = None
@@ -94,11 +98,19 @@ def _write(job: WriteJob, group: Group, result, progress) -> tuple[str, int]:
 
         mine = job.plan[group.rank::group.world]
         error = None
+        check = SourceCheck(opened, group) if job.verify_source else None
         try:
+            if check is not None:
+                check.start()
             with ThreadPoolExecutor(max_workers=max(1, job.workers)) as pool:
                 written = list(pool.map(write_one, mine))
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the gather
             written, error = None, exc
+        if check is not None:
+            if error is None or isinstance(error, Exception):
+                check.join(group)  # a source that does not match its manifest fails every rank
+            else:
+                check.cancel()  # interrupted: no collective, no wait
         entries, reused = group.gather_entries(written, error)
         group.gather_records(writer)
         if group.rank:
@@ -133,6 +145,55 @@ def _refused(exc: OSError, store: Store, planned: int) -> OutputFailed:
         hint=f"{finished} of {planned} target files are finished and kept in {store.url}: free "
              f"space (or raise the quota) and re-run the same command to resume, or delete "
              f"{store.url} to start over")
+
+
+class SourceCheck:
+    """The source's files hashed against its manifest while the output is written, each
+    rank its share, in a thread beside the writers: a reshard of a checkpoint corrupted on
+    the disk would otherwise seal the damage under a fresh, valid manifest. The bytes the
+    engine reads are a second read of files the check hashes whole (the page cache serves
+    one of the two where the source fits in it)."""
+
+    def __init__(self, opened: Opened, group: Group):
+        entries = sorted(opened.manifest.files if opened.manifest is not None else [],
+                         key=lambda e: (-e.size, e.path))  # the largest dealt first: shares even
+        self.store, self.entries = opened.store, entries[group.rank::group.world]
+        self.problem: str | None = None
+        self._stop = threading.Event()  # a writer interrupted (Ctrl-C): hash no further file
+        self._thread = threading.Thread(target=self._run, name="ckptool-source-check", daemon=True)
+
+    def start(self) -> None:
+        if self.entries:
+            self._thread.start()
+
+    def _run(self) -> None:
+        for entry in self.entries:
+            if self._stop.is_set():
+                return
+            try:
+                size, digest = hash_file(self.store, entry.path)
+            except Exception as exc:  # noqa: BLE001 - gone or unreadable since it was opened
+                self.problem = f"{entry.path} cannot be read back to check it: {exc}"
+                return
+            if size != entry.size or digest != entry.xxh3_128:
+                self.problem = (f"{entry.path} does not match the source's manifest (" +
+                                (f"{size} bytes, it says {entry.size}" if size != entry.size else
+                                 "xxh3-128 differs") + "): the source is corrupt or was changed")
+                return
+
+    def join(self, group: Group) -> None:
+        """Wait for this rank's share; raise on every rank if any rank's share did not match."""
+        if self.entries:
+            self._thread.join()
+        problem = group.first_problem(self.problem)
+        if problem is not None:
+            raise BadCheckpoint(problem, path=self.store.url,
+                                hint="`ckptool verify` it names every damaged file; nothing was "
+                                     "written (use an intact checkpoint, e.g. the one `ckptool latest "
+                                     "ROOT` names)")
+
+    def cancel(self) -> None:
+        self._stop.set()
 
 
 def _producer(opened: Opened, plan: list[TargetFile]) -> Producer:
