@@ -415,3 +415,30 @@ def test_int_keys_of_the_state_load_under_their_own_keys(tmp_path):
     state = {"w": torch.zeros(2), "opt": {0: {"n_iter": 0}, 1: 0}}
     assert AsyncCheckpointer(str(tmp_path / "run")).load_latest(state) == 1
     assert state["opt"] == {0: {"n_iter": 7}, 1: 3}
+
+
+def _load_one_rank_fails(rank, world, root, out):
+    from ckptool.core.errors import CkptoolError
+    from training import AsyncCheckpointer
+
+    t = _globals()
+    state = {"model": {k: torch.zeros_like(v) for k, v in t.items()}, "step": 0, "sched": {"lr": []}}
+    if rank == 1:
+        state["model"]["extra"] = torch.zeros(3)  # a key the checkpoint does not hold: rank 1 fails
+    try:
+        got = AsyncCheckpointer(root).load_latest(state)
+    except CkptoolError as exc:
+        got = f"{type(exc).__name__}: {exc}"
+    dist.barrier()  # a rank that returned while another raised would wait here for ever
+    torch.save(got, f"{out}.{rank}")
+
+
+def test_a_load_that_fails_on_one_rank_fails_on_every_rank(saved, tmp_path):
+    """Rank 1's state wants a tensor the checkpoint does not hold; rank 0's loads. Both raise
+    (rank 0 naming rank 1 and why), so no rank goes on training beside one that failed."""
+    out = tmp_path / "got"
+    spawn_gloo(_load_one_rank_fails, 2, str(saved), str(out))
+    got = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert got[1].startswith("BadCheckpoint: source has no tensor 'model.extra'"), got
+    assert got[0].startswith("BadCheckpoint: rank 1 could not load the checkpoint: source has no "
+                             "tensor 'model.extra'"), got

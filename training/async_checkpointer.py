@@ -38,7 +38,7 @@ from ckptool.checkpoints.open import (
 from ckptool.core.dcpfile import METADATA
 from ckptool.core.dcpwrite import DcpFileWriter, FileRecord, write_metadata
 from ckptool.core.engine import check_fill, fill_into
-from ckptool.core.errors import BadCheckpoint, NoCheckpoint
+from ckptool.core.errors import BadCheckpoint, CkptoolError, NoCheckpoint
 from ckptool.core.manifest import MANIFEST, FileEntry, Manifest, write_manifest
 from ckptool.core.safe_pickle import trusted
 from ckptool.core.storage import Store, is_temporary
@@ -188,7 +188,31 @@ class AsyncCheckpointer:
                                               "load_latest returns None only where nothing was saved")
         if found is None:
             return None
-        return load(found, state, self._rank)
+        try:
+            step, error = load(found, state, self._rank), None
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement
+            step, error = None, exc
+        self._share_failure(error, found)
+        return step
+
+    def _share_failure(self, error: Exception | None, path: str) -> None:
+        """Raise on every rank if the load failed on any: a rank that returned while another
+        raised would go on training and hang in its next collective."""
+        if self._distributed:
+            shared = error if isinstance(error, CkptoolError) else \
+                (None if error is None else f"{type(error).__name__}: {error}")
+            out = [None] * self._world
+            dist.all_gather_object(out, shared, group=self._side)
+            if error is None:
+                rank, first = next(((r, e) for r, e in enumerate(out) if e is not None), (None, None))
+                if first is not None:
+                    if isinstance(first, CkptoolError):
+                        first.message = f"rank {rank} could not load the checkpoint: {first.message}"
+                        first.args = (first.message,)
+                        raise first
+                    raise BadCheckpoint(f"rank {rank} could not load the checkpoint: {first}", path=path)
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ staging
 
