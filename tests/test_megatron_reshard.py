@@ -106,6 +106,7 @@ def test_impossible_targets_are_refused_before_writing(llama_tp2, tmp_path, run_
     dst = tmp_path / "never"
     res = run_cli("reshard", src, dst, "--to-tp", 8, "--true-vocab-size", 1000)
     assert res.code == 2 and "query groups / kv heads (4) must be divisible by TP (8)" in res.err
+    assert res.err.rstrip().endswith("TP sizes that work: 1, 2, 4")  # heads 8, groups 4, and the ffn
     res = run_cli("reshard", src, dst, "--to-pp", 3, "--true-vocab-size", 1000)
     assert res.code == 2 and "num_layers (4) must be divisible by PP x VPP (3 x 1)" in res.err
     res = run_cli("reshard", src, dst, "--tp", 4, "--to-tp", 1)

@@ -333,13 +333,15 @@ def last_stage_params(spec: ModelSpec) -> list[Param]:
 def check(spec: ModelSpec, topo: Topology) -> None:
     """Refuse a topology that breaks a layout rule, naming the rule."""
     tp, pp = topo.tp, topo.pp
+    tp_hint = f"TP sizes that work: {', '.join(map(str, tp_sizes(spec)))}"
     if spec.num_attention_heads % tp:
         raise TopologyError(f"attention heads ({spec.num_attention_heads}) must be divisible by "
-                            f"TP ({tp})")
+                            f"TP ({tp})", hint=tp_hint)
     if spec.groups % tp:
-        raise TopologyError(f"query groups / kv heads ({spec.groups}) must be divisible by TP ({tp})")
+        raise TopologyError(f"query groups / kv heads ({spec.groups}) must be divisible by TP ({tp})",
+                            hint=tp_hint)
     if spec.ffn % tp and not spec.num_experts:
-        raise TopologyError(f"ffn_hidden_size ({spec.ffn}) must be divisible by TP ({tp})")
+        raise TopologyError(f"ffn_hidden_size ({spec.ffn}) must be divisible by TP ({tp})", hint=tp_hint)
     if spec.num_experts:
         if spec.num_experts % topo.ep:
             raise TopologyError(f"the {spec.num_experts} experts must be divisible by EP ({topo.ep})",
@@ -354,7 +356,7 @@ def check(spec: ModelSpec, topo: Topology) -> None:
                                 hint="Pick an --etp/--to-etp that divides the TP")
         if spec.moe_shared_expert_size and spec.moe_shared_expert_size % tp:
             raise TopologyError(f"the shared experts' size ({spec.moe_shared_expert_size}) must be "
-                                f"divisible by TP ({tp})")
+                                f"divisible by TP ({tp})", hint=tp_hint)
     elif topo.ep > 1:
         raise TopologyError(f"EP{topo.ep} needs a model with experts; this one has none",
                             hint="Drop --ep/--to-ep")
@@ -411,6 +413,18 @@ class RankLayout:
     tp_rank: int
     tensors: list[LocalTensor] = field(default_factory=list)
     ep_rank: int = 0
+
+
+def tp_sizes(spec: ModelSpec) -> list[int]:
+    """The TP sizes the rules of :func:`check` allow for ``spec`` (heads, query groups, the
+    dense FFN or the shared experts split evenly)."""
+    sizes = [spec.num_attention_heads, spec.groups]
+    if not spec.num_experts:
+        sizes.append(spec.ffn)
+    elif spec.moe_shared_expert_size:
+        sizes.append(spec.moe_shared_expert_size)
+    common = math.gcd(*sizes)
+    return [n for n in range(1, common + 1) if common % n == 0]
 
 
 def ep_sizes(spec: ModelSpec) -> list[int]:
