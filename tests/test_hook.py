@@ -442,3 +442,27 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank(saved, tmp_path):
     assert got[1].startswith("BadCheckpoint: source has no tensor 'model.extra'"), got
     assert got[0].startswith("BadCheckpoint: rank 1 could not load the checkpoint: source has no "
                              "tensor 'model.extra'"), got
+
+
+def test_staging_buffers_of_entries_a_save_no_longer_holds_are_freed(tmp_path):
+    """Staging buffers are kept from save to save; one whose entry is gone (a key dropped, a
+    tensor resized) is freed, not held for the rest of the run."""
+    import gc
+    import weakref
+
+    from training import AsyncCheckpointer
+    from training.async_checkpointer import load
+
+    ckpt = AsyncCheckpointer(str(tmp_path / "run"))
+    ckpt.save(1, {"a": torch.ones(64, 64), "b": torch.ones(8)})
+    ckpt.wait()
+    staged = {key[0]: weakref.ref(plan[0]) for key, plan in ckpt._buffers.items()}
+    assert set(staged) == {"a", "b"}
+    ckpt.save(2, {"a": torch.full((32, 64), 2.0)})  # b dropped, a resized
+    ckpt.wait()
+    gc.collect()
+    assert staged["a"]() is None and staged["b"]() is None
+    ckpt.save(3, {"a": torch.full((32, 64), 3.0)})
+    ckpt.close()
+    state = {"a": torch.zeros(32, 64)}
+    assert load(ckpt.last_committed, state) == 3 and torch.equal(state["a"], torch.full((32, 64), 3.0))

@@ -225,7 +225,7 @@ class AsyncCheckpointer:
             return self._stage_leaves(state)
 
     def _stage_leaves(self, state: dict) -> tuple[list[_Chunk], dict[str, Any]]:
-        chunks, objects, pinned = [], {}, False
+        chunks, objects, pinned, used = [], {}, False, set()
         for path, value in flatten(state):
             if isinstance(value, Sharded):
                 local, shard, writes = value.local, value.shard, not value.replica
@@ -262,9 +262,22 @@ class AsyncCheckpointer:
             plan[0].copy_(local, non_blocking=local.is_cuda)
             chunks += plan[2]
             pinned = pinned or plan[3]
+            used.add(slot)
         if pinned:
             torch.cuda.synchronize()
+        self._drop_buffers(used)
         return chunks, objects
+
+    def _drop_buffers(self, used: set) -> None:
+        """Free the staging buffers of entries this save no longer holds (a key dropped, a
+        tensor resized): the last save was written, none is in flight."""
+        for slot in [s for s in self._buffers if s not in used]:
+            buf = self._buffers.pop(slot)[0]
+            for i, registered in enumerate(self._registered):
+                if registered is buf:
+                    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+                    del self._registered[i]
+                    break
 
     def _host_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A staging buffer for ``like``, kept for the next save.
