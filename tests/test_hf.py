@@ -168,6 +168,14 @@ def test_sharded_output_loads_in_transformers(gpt2, tmp_path, run_cli):
     assert_close(hf_logits(load_hf(dst, dtype=torch.float32), 250), hf_logits(model, 250))
     # ... and ckptool reads the sharded form back.
     assert run_cli("verify", "--deep", dst).code == 0
+    # Without the manifest that commits it (an object store's output killed just before it)
+    # it is an uncommitted ckptool output, never a sound foreign model: the weight files say
+    # who wrote them.
+    (dst / "ckptool.json").unlink()
+    r = run_cli("verify", dst)
+    assert r.code == 1 and "not committed" in r.err, r.out + r.err
+    assert run_cli("latest", tmp_path).code == 1
+    assert run_cli("verify", root).code == 0  # transformers' own save: foreign, and sound
 
 
 def test_dtype_option_writes_bf16(llama, tmp_path, run_cli):

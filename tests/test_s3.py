@@ -147,3 +147,25 @@ def test_reshard_between_s3_and_local_is_exact(s3, run, run_cli, tmp_path, src_l
     assert run_cli("verify", "--deep", dst).code == 0
     a, b = _tensors(f"{run}/step_00000002"), _tensors(dst)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_rewrite_killed_at_its_s3_commit_resumes_on_the_rerun(s3, run, run_cli, monkeypatch):
+    """On an object store the output is written in place and the manifest commits it. A run
+    killed just before that write must leave its re-run the resume key: the re-run keeps the
+    finished files and commits, not "destination already exists"."""
+    from ckptool.core import storage
+
+    dst = f"s3://{BUCKET}/killed-at-commit"
+
+    def killed(self, write_manifest):
+        raise KeyboardInterrupt  # the process dies here
+
+    with monkeypatch.context() as m:
+        m.setattr(storage.MarkerOutput, "commit", killed)
+        assert run_cli("reshard", f"{run}/step_00000002", dst, "--to-dp", "3").code == 130
+    assert run_cli("verify", dst).code == 1  # written, not committed
+    r = run_cli("reshard", f"{run}/step_00000002", dst, "--to-dp", "3")
+    assert r.code == 0 and "kept 3 finished files" in r.out, r.out + r.err
+    assert run_cli("verify", "--deep", "--strict", dst).code == 0  # no journal left in it
+    a, b = _tensors(f"{run}/step_00000002"), _tensors(dst)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

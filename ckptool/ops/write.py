@@ -224,8 +224,11 @@ def _commit(job: WriteJob, group: Group, out, store: Store, entries: list[FileEn
                             model_config=asdict(job.spec) if job.spec is not None else index.model_config,
                             true_vocab_size=job.true_vocab_size or index.true_vocab_size,
                             iteration=index.iteration, format_version=index.format_version)
-        journal.clear(store)
+        if store.is_local:  # inside DST.tmp-KEY, which the rename commits: cleared before it
+            journal.clear(store)
         out.commit(lambda s_: write_manifest(s_, manifest))
+        if not store.is_local:  # written in place, committed by the manifest: cleared after it,
+            journal.clear(store)  # so a run killed before the commit leaves its re-run the key
     except BaseException as exc:
         status = f"rank 0 could not commit: {exc}"
         raise

@@ -55,6 +55,9 @@ from converters.schemas.hf import (
 torch = lazy("torch", globals())
 
 NAME = "hf"
+WRITER_KEY, WRITER = "writer", "ckptool"
+"""ckptool's mark in the safetensors ``__metadata__`` of the weight files it writes (transformers
+reads only ``format`` there)."""
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 WEIGHT_FILES = (SINGLE, INDEX, "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -116,6 +119,10 @@ class HfReader(Reader):
             raise BadCheckpoint(f"{len(view.missing)} tensors of a {family} model are missing, e.g. "
                                 f"{', '.join(view.missing[:3])}", path=store.url)
         model = HfModel(config, family, unplaced=unplaced_tensors(view.unused, spec, family))
+        # ckptool's mark in the weight files: without its manifest, such an output is uncommitted
+        # (an object store's, killed before the manifest that commits it), not a foreign model
+        stored.written_by_ckptool = view.index.written_by_ckptool = \
+            any(self._marked(store, f) for f in sorted(set(weight_map.values())))
         stored.set_layout(model)
         view.index.set_layout(model)
         return stored, view.index, table
@@ -140,18 +147,22 @@ class HfReader(Reader):
         with self._lock:
             if key not in self._files:
                 reader = store.range_reader(file)
-                entries, _ = parse_header(reader, store.display(file))
-                self._files[key] = (reader, entries)
+                entries, metadata = parse_header(reader, store.display(file))
+                self._files[key] = (reader, entries, metadata)
             return self._files[key]
 
     def _entries(self, store: Store, file: str):
         return self._file(store, file)[1]
 
+    def _marked(self, store: Store, file: str) -> bool:
+        """Whether ckptool wrote ``file`` (its safetensors ``__metadata__`` says so)."""
+        return self._file(store, file)[2].get(WRITER_KEY) == WRITER
+
     def read_box_into(self, store: Store, piece: Piece, dtype: torch.dtype, box, out) -> None:
         """Read canonical ``box`` of the piece: the stored rows it spans, as one byte range."""
         piece, (offsets, lengths), out = stored_box(piece, box, out)
         name = piece.location.detail
-        reader, entries = self._file(store, piece.location.file)
+        reader, entries, _ = self._file(store, piece.location.file)
         entry = entries[name]
         row = math.prod(entry.shape[1:])
         data = _read(reader, entry, offsets[0], lengths[0], row).view(lengths[0], *entry.shape[1:])
@@ -263,7 +274,7 @@ class HfWriter(Writer):
 
     def write_file(self, store: Store, target: TargetFile, produce, index: CheckpointIndex,
                    true_vocab_size: int | None) -> tuple[int, str]:
-        header, at = {"__metadata__": {"format": "pt"}}, 0
+        header, at = {"__metadata__": {"format": "pt", WRITER_KEY: WRITER}}, 0
         for t in target.tensors:
             n = math.prod(t.name.stored_shape) * self._dtype.itemsize
             header[t.name.name] = {"dtype": code_of(self._dtype), "shape": list(t.name.stored_shape),
