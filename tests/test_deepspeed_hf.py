@@ -131,6 +131,15 @@ def test_without_a_config_the_error_says_what_to_pass(runs, run_cli, tmp_path):
     wrong.write_text((runs / "gpt2_z1" / "config.json").read_text())
     res = run_cli("convert", src, tmp_path / "hf3", "--to", "hf", "--model-config", wrong)
     assert res.code == 2 and "not a gpt2 model's" in res.err, res.err
+    # a config that ties the output layer to the embedding, for a run that trained its own
+    # (a separate parameter, not one of DeepSpeed's shared_params): tying would drop it
+    tied = tmp_path / "tied.json"
+    tied.write_text(json.dumps({**json.loads(cfg.read_text()), "tie_word_embeddings": True}))
+    for to in ("hf", "dcp"):
+        res = run_cli("convert", src, tmp_path / f"tied-{to}", "--to", to, "--drop-optimizer",
+                      "--model-config", tied)
+        assert res.code == 2 and "ties lm_head.weight to its owner" in res.err, res.err
+        assert not (tmp_path / f"tied-{to}").exists()
 
 
 @pytest.fixture(scope="module")

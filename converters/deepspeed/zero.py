@@ -350,8 +350,10 @@ class ZeroReader(TorchFileReader):
             layout = index.layout(Layout)  # an architecture without a table: names kept
             return stored_view(index, config, layout.shared if layout else {})
         kinds = ("fp32_param", *MOMENTS)
+        layout = index.layout(Layout)
         return named_view(index, config, self.model_family, where,
-                          ("", *(state_key(kind, "") for kind in kinds)))
+                          ("", *(state_key(kind, "") for kind in kinds)),
+                          shared=layout.shared if layout else None)
 
 
 def rank_files(found: dict[int, str], dp: int, what: str, where: str) -> list[str]:

@@ -9,6 +9,7 @@ module is their interface to the formats (by family name), and the one config-fi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 from ckptool.core.errors import UnreadableInput, UsageError
@@ -248,7 +249,8 @@ def _short(value) -> str:
 
 
 def named_view(index: CheckpointIndex, config: dict, family: str | None, where: str,
-               prefixes: tuple[str, ...] = ("",)) -> CheckpointIndex:
+               prefixes: tuple[str, ...] = ("",), shared: Mapping[str, str] | None = None
+               ) -> CheckpointIndex:
     """The canonical view of a checkpoint whose tensors carry a Hugging Face model's names
     (a DeepSpeed engine's module is often one), by the same table the hf reader uses.
 
@@ -271,6 +273,16 @@ def named_view(index: CheckpointIndex, config: dict, family: str | None, where: 
         raise UsageError(f"the tensors are not a {family} model's ({len(view.missing)} of its "
                          f"tensors are missing, e.g. {view.missing[0]}; found e.g. {found})",
                          path=where, hint="Check --model-config / --model-family")
+    if shared is not None:  # the module says which names alias another parameter
+        untied = sorted(prefix + alias for alias in tied_aliases(spec, family)
+                        if prefix + alias in view.unused and prefix + alias not in shared)
+        if untied:
+            raise UsageError(f"the model config ties {untied[0]} to its owner "
+                             f"({tied_aliases(spec, family)[untied[0][len(prefix):]]}), but the "
+                             "checkpoint trained it as a parameter of its own: tying would drop "
+                             "its values", path=where,
+                             hint="Give the config the model was trained with "
+                                  "(tie_word_embeddings: false)")
     if stray:
         raise UsageError(unplaced_words(stray, family), path=where,
                          hint=f"Mapped families: {', '.join(FAMILIES)}")
