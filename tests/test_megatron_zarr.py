@@ -229,3 +229,74 @@ def test_damaged_chunk_is_a_bad_checkpoint(how, tmp_path, run_cli):
     assert len(lines) == 1 and f"chunk file is {how}" in lines[0], res.err
     assert "linear_fc1.weight/1.2.0" in lines[0]
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob("hf.tmp-*"))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (exec, ("open(__import__('os').environ['CKPTOOL_TEST_PWNED'], 'w').write('ran')",))
+
+
+def _zarray(it: Path, **fields) -> None:
+    path = it / "output_layer.weight" / ".zarray"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def _pickle_codec(it: Path) -> None:
+    import pickle
+
+    _zarray(it, compressor={"id": "pickle", "protocol": 5})
+    for c in ("0.0", "1.0"):
+        (it / "output_layer.weight" / c).write_bytes(pickle.dumps(_Evil()))
+
+
+def _zlib_bomb(it: Path) -> None:  # each 8 KiB chunk inflates to 1 GiB
+    import zlib
+
+    _zarray(it, compressor={"id": "zlib", "level": 1})
+    co = zlib.compressobj(1)
+    bomb = b"".join(co.compress(bytes(1 << 24)) for _ in range(64)) + co.flush()
+    for c in ("0.0", "1.0"):
+        (it / "output_layer.weight" / c).write_bytes(bomb)
+
+
+def _longer_chunk(it: Path) -> None:
+    chunk = it / "output_layer.weight" / "0.0"
+    chunk.write_bytes(chunk.read_bytes() + bytes(4096))
+
+
+HOSTILE = {  # what a header claims is never listed, allocated, inflated or run
+    "pickle codec": (_pickle_codec, 2, "zarr codec pickle is not read"),
+    "zlib bomb": (_zlib_bomb, 1, "decoded chunk has 8193 bytes, the array needs 8192"),
+    "filter": (lambda it: _zarray(it, filters=[{"id": "astype", "encode_dtype": "<f8",
+                                                "decode_dtype": "<f4"}]), 2, "zarr filters are not read"),
+    "huge grid": (lambda it: _zarray(it, shape=[10**6, 10**6], chunks=[1, 1]), 1,
+                  "zarr array has a grid of 1000000000000 chunks, but 2 chunk files are there"),
+    "huge object grid": (lambda it: (it / "rng_state" / "shard_0.0_100000.100000.pt").write_bytes(b"x"),
+                         1, "names a grid of 10000000000 shards, but 3 files are there"),
+    "negative shape": (lambda it: _zarray(it, shape=[-128, 32]), 1, "not sizes"),
+    "float shape": (lambda it: _zarray(it, shape=[128.9, 32]), 1, "not sizes"),
+    "fill out of range": (lambda it: _zarray(it, dtype="|i1", fill_value=1000), 1,
+                          "zarr fill_value 1000 is not a |i1 value"),
+    "chunk file too long": (_longer_chunk, 1, "chunk file is 12288 bytes, the array's chunk 8192"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_array_metadata_is_refused_in_one_line(case, tmp_path, run_cli, monkeypatch):
+    """Each a copy of a real Megatron-Core zarr checkpoint with one hostile edit: refused with
+    its exit code and one line, by verify --deep and convert alike, in seconds, nothing run
+    (numcodecs' own pickle guard opened, as an environment may have it) and nothing written."""
+    edit, code, words = HOSTILE[case]
+    pwned = tmp_path / "PWNED"
+    monkeypatch.setenv("CKPTOOL_TEST_PWNED", str(pwned))
+    monkeypatch.setenv("NUMCODECS_ALLOW_UNSAFE_PICKLE_DECODE", "1")
+    root = tmp_path / "zarr"
+    shutil.copytree(DATA / "llama_fp32", root)
+    edit(root / "iter_0000010")
+    for argv in (["verify", "--deep", root], ["convert", root, tmp_path / "out", "--to", "dcp"]):
+        res = run_cli(*argv)
+        err = res.err.strip()
+        assert res.code == code and words in err, (argv, res.out, err)
+        assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not pwned.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["zarr"]
