@@ -305,6 +305,60 @@ def test_qwen_windows_are_read_as_transformers_reads_them(name, tmp_path, run_cl
     assert (logits(back) - want).abs().max() < 1e-5
 
 
+IGNORED_WINDOW_FIELDS = {  # (model, fields its transformers class does not read)
+    "mistral-use_sliding_window": ("Mistral", dict(use_sliding_window=False)),
+    "phi3-use_sliding_window": ("Phi3", dict(use_sliding_window=False)),
+    "phi3-layer_types": ("Phi3", dict(layer_types=["full_attention"] * 2)),
+    "mixtral-use_sliding_window": ("Mixtral", dict(use_sliding_window=False)),
+    "mixtral-layer_types": ("Mixtral", dict(layer_types=["full_attention"] * 2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IGNORED_WINDOW_FIELDS))
+def test_window_fields_a_family_ignores_do_not_drop_its_window(name, tmp_path, run_cli):
+    """Only Qwen's classes read use_sliding_window, and Phi-3's and Mixtral's ignore
+    layer_types: beside sliding_window they leave the window on every layer. ckptool read
+    them as full attention (exit 0, logits off by 4-5)."""
+    model, edits = IGNORED_WINDOW_FIELDS[name]
+    extra = {"Mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+             "Phi3": dict(pad_token_id=0)}.get(model, {})
+    src = save_hf(tmp_path / "made", getattr(transformers, f"{model}ForCausalLM"),
+                  getattr(transformers, f"{model}Config"), sliding_window=4, **extra)
+    want = logits(src)
+    edited = edit_config(src, tmp_path / "src", **edits)
+    full = edit_config(src, tmp_path / "full", sliding_window=None)
+    assert (logits(edited) - want).abs().max() < 1e-6  # the premise: the window is still on
+    assert (logits(full) - want).abs().max() > 1e-3  # ... and it matters
+    mid, back = tmp_path / "mg", tmp_path / "back"
+    r = run_cli("convert", edited, mid, "--to", "megatron-dist")
+    assert r.code == 0, r.err
+    assert run_cli("convert", mid, back, "--to", "hf").code == 0
+    assert (logits(back) - want).abs().max() < 1e-5
+
+
+MALFORMED = {  # a value transformers would not run as ckptool would have read it
+    "window 0": (dict(sliding_window=0), "sliding_window=0"),
+    "negative window": (dict(sliding_window=-3), "sliding_window=-3"),
+    "fractional llama3 context": (dict(rope_parameters={**LLAMA3, "rope_theta": 10000.0,
+                                                        "original_max_position_embeddings": 16.5}),
+                                  "rope_parameters="),
+    "rope_type a list": (dict(rope_parameters={**LLAMA3, "rope_theta": 10000.0, "rope_type": ["llama3"]}),
+                         "rope_parameters="),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_attention_fields_are_refused_naming_them(case, hf_models, tmp_path, run_cli):
+    """A window of 0 or less was written as Megatron's (-1, 0), which is full attention, or
+    (-4, 0); a fractional original context was cut to an int (another model); an unhashable
+    rope_type read as ckptool's own crash."""
+    edits, what = MALFORMED[case]
+    src = edit_config(hf_models["mistral-window"], tmp_path / "src", **edits)
+    for target in ("megatron", "megatron-dist"):  # hf and dcp keep config.json as it is
+        assert_refused(run_cli("convert", src, tmp_path / target, "--to", target),
+                       tmp_path / target, what)
+
+
 @pytest.mark.parametrize("model", ["Gemma2", "Gemma3Text"])
 def test_gemma2_and_3_with_the_exact_gelu_are_refused(model, tmp_path, run_cli):
     """Gemma 2/3 read hidden_activation, where "gelu" is the exact GELU (only Gemma 1's

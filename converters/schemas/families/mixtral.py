@@ -33,7 +33,7 @@ FAMILY = Family(
     embedding="model.embed_tokens.weight", layer="model.layers.{i}.",
     layer_tensors=QKV + PROJ + MOE + NORMS, final=FINAL, head="lm_head.weight",
     config=(*[r for r in llama_sizes() if "intermediate_size" not in r.fields], *EXPERTS,
-            tie(False), ROPE, SILU, window()),
+            tie(False), ROPE, SILU, window(layer_types=False)),
     traits="Mistral's, with a Mixture-of-Experts MLP",
     absent=dict(max_position_embeddings=131072, num_key_value_heads=8, rms_norm_eps=1e-5,
                 rope_theta=1e6),

@@ -20,7 +20,7 @@ FAMILY = Family(
     features=("tied_embeddings", "grouped_query_attention", "head_dim", "rope_scaling", "window_size"),
     embedding="model.embed_tokens.weight", layer="model.layers.{i}.", layer_tensors=LAYER,
     final=FINAL, head="lm_head.weight",
-    config=(*llama_sizes(), tie(False), ROPE, SILU, window(), ORIGINAL_CONTEXT),
+    config=(*llama_sizes(), tie(False), ROPE, SILU, window(layer_types=False), ORIGINAL_CONTEXT),
     traits="RMSNorm, SwiGLU and rotary positions, fused qkv_proj and gate_up_proj",
     absent=dict(max_position_embeddings=4096, rms_norm_eps=1e-5),
 )

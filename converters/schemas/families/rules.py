@@ -121,9 +121,12 @@ def _rope_problem(config: dict) -> Problem | None:
     if kind in (None, "default"):
         extra = [k for k in params if k not in ("rope_type", "type", "rope_theta", "partial_rotary_factor")]
         return Problem(name, params, _PLAIN) if extra else None
-    need = _SCALING_FIELDS.get(kind)
+    need = _SCALING_FIELDS.get(kind) if isinstance(kind, str) else None
     allowed = {"rope_type", "type", "rope_theta", "partial_rotary_factor", *(need or ())}
     if need is None or any(k not in params for k in need) or set(params) - allowed:
+        return Problem(name, params, _PLAIN)
+    positions = params.get("original_max_position_embeddings")
+    if positions is not None and type(positions) is not int:  # read as int, it would be another model
         return Problem(name, params, _PLAIN)
     return None
 
@@ -159,17 +162,21 @@ gates the window everywhere): ``qwen2`` (Qwen2, Qwen3): without ``layer_types``,
 ``qwen3_moe``: every layer (``max_window_layers`` and ``layer_types`` unused)."""
 
 
-def _window(config: dict, pattern: bool = False, qwen: str | None = None
-            ) -> tuple[int | None, Problem | None]:
+def _window(config: dict, pattern: bool = False, qwen: str | None = None, layer_types: bool = True
+              ) -> tuple[int | None, Problem | None]:
     """The window every layer uses (None: full attention), or what is not one window
     (``pattern``: a per-layer pattern is read by :func:`_pattern` instead). ``qwen``: the
-    family's reading of :data:`QWEN_WINDOWS`."""
+    family's reading of :data:`QWEN_WINDOWS` (only Qwen's classes read ``use_sliding_window``);
+    ``layer_types``: whether the family's transformers class reads that field (Phi-3's and
+    Mixtral's ignore it, and keep the window on every layer)."""
     window = config.get("sliding_window")
-    if config.get("use_sliding_window") is False or qwen and not config.get("use_sliding_window"):
+    if qwen and not config.get("use_sliding_window"):
         window = None  # a Qwen config without use_sliding_window: transformers' default, False
-    if window is not None and not isinstance(window, int):
-        return None, Problem("sliding_window", window, "an integer or null")
-    types = config.get("layer_types")
+    if window is not None and (type(window) is not int or window < 1):
+        return None, Problem("sliding_window", window, "a positive integer or null")
+    types = config.get("layer_types") if layer_types else None
+    if types is not None and not isinstance(types, list):
+        return None, Problem("layer_types", types, "a list")
     if isinstance(types, list) and types and qwen != "qwen3_moe":
         kinds = set(types)
         if kinds == {"full_attention"} or qwen and window is None:
@@ -192,10 +199,12 @@ def _window(config: dict, pattern: bool = False, qwen: str | None = None
                          f"{'the layers from it on' if qwen == 'qwen2' else 'the even layers below it'})")
 
 
-def window(written: tuple[str, ...] = ("sliding_window",), qwen: str | None = None) -> Rule:
+def window(written: tuple[str, ...] = ("sliding_window",), qwen: str | None = None,
+           layer_types: bool = True) -> Rule:
     """The sliding window: one per model, on every layer (per-layer patterns are refused).
     ``qwen``: the Qwen spelling (``use_sliding_window``, ``max_window_layers``), read as that
-    family's transformers class reads it (:data:`QWEN_WINDOWS`)."""
+    family's transformers class reads it (:data:`QWEN_WINDOWS`). ``layer_types``: False for a
+    class that ignores that field (as it ignores ``use_sliding_window``)."""
     assert qwen in (None, *QWEN_WINDOWS), qwen
 
     def write(spec, vocab, base):
@@ -210,8 +219,8 @@ def window(written: tuple[str, ...] = ("sliding_window",), qwen: str | None = No
                 * spec.num_layers
         return out
 
-    return Feature(_WINDOW_FIELDS, lambda c: {"window_size": _window(c, qwen=qwen)[0]}, write,
-                   lambda c: _window(c, qwen=qwen)[1])
+    return Feature(_WINDOW_FIELDS, lambda c: {"window_size": _window(c, qwen=qwen, layer_types=layer_types)[0]},
+                   write, lambda c: _window(c, qwen=qwen, layer_types=layer_types)[1])
 
 
 def _pattern(config: dict) -> str | None:
