@@ -426,6 +426,23 @@ def test_args_that_claim_more_experts_than_the_files_hold_are_refused(ep2, tmp_p
     assert r.code == 1 and "experts args name" in r.err and "Traceback" not in r.err, r.err
 
 
+def test_moe_layer_freq_as_a_list_is_not_written_as_stacked_torch_dist(ep2, tmp_path, run_cli):
+    """``--moe-layer-freq "([1]*L)"`` stores a list, under which Megatron-Core keys every layer
+    apart in torch_dist (non-homogeneous layers): ckptool's stacked layers would not load there
+    (exit 0, then Megatron's KeyError). Refused for torch_dist, kept by legacy output."""
+    src, _ = ep2
+    listed = tmp_path / "listed"
+    shutil.copytree(src, listed)
+    for f in listed.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(f, weights_only=False)
+        state["args"].moe_layer_freq = [1] * state["args"].num_layers
+        torch.save(state, f)
+    dst = tmp_path / "dist"
+    r = run_cli("convert", listed, dst, "--to", "megatron-dist", "--ep", "2", "--dp", "2")
+    assert r.code == 2 and "moe_layer_freq=[1, 1] (a list)" in r.err and not dst.exists(), r.err
+    assert run_cli("reshard", listed, tmp_path / "ep1", "--to-ep", "1", "--to-dp", "1").code == 0
+
+
 # ------------------------------------------------------------------ the training hook
 
 

@@ -58,6 +58,7 @@ from converters.megatron.common import (
 )
 from converters.schemas.megatron import TRACKER, iteration_dir, params_by_key
 from converters.schemas.megatron_args import (
+    refuse_per_layer_keys,
     UnevenStages,
     feature_notes,
     refuse_unrunnable_gelu,
@@ -212,6 +213,7 @@ class MegatronDistWriter(UnevenStages, RecordedFiles, Writer):
     def plan(self, index, topo: Topology, spec: ModelSpec, schema: str = "mcore-te",
              with_optimizer: bool = True) -> list[TargetFile]:
         refuse_unrunnable_gelu(spec, "mcore")
+        refuse_per_layer_keys(index)
         it_dir = iteration_dir(index.iteration if index.iteration is not None else 0)
         params = params_by_key(spec)
         padded = spec.padded_vocab(topo.tp)

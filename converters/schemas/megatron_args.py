@@ -12,7 +12,7 @@ import copy
 import re
 from dataclasses import replace
 
-from ckptool.core.errors import UnreadableInput, UnsupportedFormat, UsageError
+from ckptool.core.errors import UnreadableInput, UnsupportedFormat, UsageError, bounded
 from ckptool.core.index import CheckpointIndex
 from ckptool.core.layout import ModelSpec, model_spec, padded_vocab
 from ckptool.core.topology import Topology
@@ -438,6 +438,20 @@ def uncarried_arg(args: argparse.Namespace) -> tuple[str, object, str] | None:
         if value is not None and not ok(value, args):
             return name, value, noop
     return None
+
+
+def refuse_per_layer_keys(index: CheckpointIndex) -> None:
+    """Refuse (UsageError, exit 2) ``torch_dist`` output for args under which Megatron-Core
+    keys every layer apart (``moe_layer_freq`` a list: ``TransformerBlock``'s
+    ``non_homogeneous_layers``): ckptool writes layers stacked (``decoder.layers.*``), which
+    such a model cannot load."""
+    obj = index.objects.get("args")
+    freq = _get(obj.value, "moe_layer_freq", None) if obj is not None and \
+        isinstance(obj.value, argparse.Namespace) else None
+    if isinstance(freq, (list, tuple)):
+        raise UsageError(f"Megatron arg moe_layer_freq={bounded(freq, 80)} (a list) makes Megatron-Core "
+                         "key each layer apart in torch_dist, which ckptool does not write yet",
+                         path=index.url, hint="--to megatron (legacy) keeps it; nothing was written")
 
 
 def refuse_uncarried_args(index: CheckpointIndex, target: str) -> None:
