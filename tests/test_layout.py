@@ -118,6 +118,8 @@ def test_impossible_expert_layouts_are_refused_naming_the_rule():
     with pytest.raises(TopologyError, match="needs a model with experts"):
         layout(ModelSpec(**LLAMA), Topology(ep=2, dp=2))
     with pytest.raises(TopologyError, match="must divide tp x dp"):
+        Topology(tp=2, dp=1, ep=4, etp=1)
+    with pytest.raises(TopologyError, match="ep=4 must divide dp=2"):  # etp=tp is the default
         Topology(tp=1, dp=2, ep=4, etp=1)
 
 

@@ -47,6 +47,20 @@ def test_reshard_across_ep_and_tp_loads_in_megatron_core_with_the_same_logits(ep
     assert run_cli("verify", "--deep", back).code == 0
 
 
+def test_an_etp_given_equal_to_the_tp_follows_the_tp_on_the_next_reshard(ep2, tmp_path, run_cli):
+    """--to-etp 2 at TP2 is Megatron's default spelt out: the manifest recorded it, and a later
+    reshard to TP1 kept ETP2, refused ("ep x etp must divide tp x dp"), where the same output
+    written without --to-etp went on."""
+    src, want = ep2
+    tp2 = tmp_path / "tp2"
+    assert run_cli("reshard", src, tp2, "--to-tp", 2, "--to-etp", 2, "--to-ep", 2, "--to-dp", 2,
+                   "--true-vocab-size", M.MOE["vocab_size"]).code == 0
+    tp1 = tmp_path / "tp1"
+    r = run_cli("reshard", tp2, tp1, "--to-tp", 1, "--to-ep", 2, "--to-dp", 2)
+    assert r.code == 0, r.err
+    assert_close(M.load_moe_logits(M.MOE, 1, 2, tp1), want)
+
+
 ETP = [dict(tp=2, ep=1, etp=1), dict(tp=2, ep=2, etp=1)]
 """TP2 with whole experts (ETP1), at EP1 (every rank holds every expert, expert-DP 2) and at
 EP2 on two ranks, whose (TP, EP) ranks are (0, 0) and (1, 1)."""

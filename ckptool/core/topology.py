@@ -47,6 +47,8 @@ class Topology:
         if self.etp is not None and (not isinstance(self.etp, int) or isinstance(self.etp, bool)
                                      or self.etp < 1):
             raise TopologyError(f"Topology.etp must be a positive integer, got {self.etp!r}")
+        if self.etp == self.tp:  # the default, spelt out (a manifest, args): it follows the TP
+            object.__setattr__(self, "etp", None)  # on a TP change, as Megatron's default does
         if self.etp is None and self.dp % self.ep:
             raise TopologyError(f"expert parallel size ep={self.ep} must divide dp={self.dp}")
         if (self.tp * self.dp) % (self.expert_tp * self.ep):
