@@ -169,3 +169,39 @@ def test_a_rewrite_killed_at_its_s3_commit_resumes_on_the_rerun(s3, run, run_cli
     assert run_cli("verify", "--deep", "--strict", dst).code == 0  # no journal left in it
     a, b = _tensors(f"{run}/step_00000002"), _tensors(dst)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _save_with_an_outage(rank, world, root, out):
+    """Rank 1's write fails; rank 0's clean-up of the failed save meets the store's own error
+    (botocore's are not OSError), as when the endpoint goes down mid-save."""
+    import botocore.exceptions
+    import s3fs
+
+    from training import AsyncCheckpointer, async_checkpointer
+
+    if rank == 1:
+        def failing(*a, **k):
+            raise OSError(5, "Input/output error")
+        async_checkpointer.write_rank_file = failing
+    else:
+        def down(self, *a, **k):
+            raise botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
+        s3fs.S3FileSystem.rm = down
+    ckpt = AsyncCheckpointer(root)
+    ckpt.save(7, {"w": torch.ones(8) * rank})
+    try:
+        ckpt.wait()
+        got = "committed"
+    except OSError as exc:
+        got = str(exc)
+    torch.save(got, f"{out}.{rank}")
+
+
+def test_a_save_that_fails_during_an_outage_fails_on_every_rank(s3, tmp_path):
+    """Rank 0 raised the store's error out of its commit and never told rank 1, which waited
+    for ever; now every rank's wait() raises, naming the write that failed."""
+    out = tmp_path / "got"
+    spawn_gloo(_save_with_an_outage, 2, f"s3://{BUCKET}/outage", str(out))
+    got = [torch.load(f"{out}.{r}") for r in range(2)]
+    for text in got:
+        assert "not committed" in text and "rank 1: OSError" in text, got

@@ -319,7 +319,10 @@ class AsyncCheckpointer:
             results = self._gather(result)
             committed = None
             if self._rank == 0:
-                committed = self._commit(step, name, results)
+                try:
+                    committed = self._commit(step, name, results)
+                except BaseException as exc:  # noqa: BLE001 - the others wait for the broadcast
+                    committed = f"error: rank 0 commit: {type(exc).__name__}: {exc}"
             committed = self._broadcast(committed)
             if committed is None or committed.startswith("error:"):
                 raise OSError(f"checkpoint at step {step} was not committed: "
@@ -334,8 +337,9 @@ class AsyncCheckpointer:
         if failed:  # every rank has stopped writing: the partial directory can go
             try:
                 tmp.fs.rm(tmp.root, recursive=True)
-            except OSError:
-                pass
+            except Exception as exc:  # noqa: BLE001 - an object store's own errors are not OSError
+                logger.warning("[rank 0] could not remove the failed save %s: %s: %s", tmp.url,
+                               type(exc).__name__, exc)
             return "error: " + "; ".join(failed)
         try:
             shapes = {}
