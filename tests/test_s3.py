@@ -205,3 +205,19 @@ def test_a_save_that_fails_during_an_outage_fails_on_every_rank(s3, tmp_path):
     got = [torch.load(f"{out}.{r}") for r in range(2)]
     for text in got:
         assert "not committed" in text and "rank 1: OSError" in text, got
+
+
+def test_an_odd_key_beside_the_checkpoints_does_not_hide_them(s3, run, run_cli):
+    """An object store key ``root/../junk`` lists as a child ``..`` of the run root: it is no
+    checkpoint and is passed by, not taken for one that leaves the root (latest exit 1 and
+    load_latest raising, so keep_last stopped pruning)."""
+    import boto3
+
+    root = f"s3://{BUCKET}/odd"
+    assert run_cli("reshard", f"{run}/step_00000002", f"{root}/step_00000002", "--to-dp", "1").code == 0
+    boto3.client("s3", endpoint_url=os.environ["FSSPEC_S3_ENDPOINT_URL"]).put_object(
+        Bucket=BUCKET, Key="odd/../junk", Body=b"x")
+    s3.invalidate_cache()
+    assert ".." in [p.rsplit("/", 1)[-1] for p in s3.ls(f"{BUCKET}/odd")]  # the premise
+    r = run_cli("latest", root)
+    assert r.code == 0 and r.out.strip() == f"{root}/step_00000002", r.out + r.err

@@ -233,7 +233,10 @@ class Store:
             name = e["name"].rstrip("/")
             if name == base:
                 continue
-            out.append((posixpath.basename(name), e["type"] == "directory"))
+            name = posixpath.basename(name)
+            if name in ("", ".", ".."):  # an object store's odd key (``root/../x``): no entry
+                continue                 # of this directory, and nothing is read through it
+            out.append((name, e["type"] == "directory"))
         return sorted(out)
 
     def _ls_local(self, rel: str) -> list[tuple[str, bool]]:
