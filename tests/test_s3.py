@@ -221,3 +221,25 @@ def test_an_odd_key_beside_the_checkpoints_does_not_hide_them(s3, run, run_cli):
     assert ".." in [p.rsplit("/", 1)[-1] for p in s3.ls(f"{BUCKET}/odd")]  # the premise
     r = run_cli("latest", root)
     assert r.code == 0 and r.out.strip() == f"{root}/step_00000002", r.out + r.err
+
+
+def test_overwrite_of_an_s3_destination_keeps_it_when_the_source_is_refused(s3, run, run_cli, tmp_path):
+    """On an object store --overwrite deletes DST before writing in place: a source whose
+    hashes do not match was found only while writing, after the good DST was gone (exit 1,
+    "nothing was written", and an empty prefix). It is checked before the delete now."""
+    import shutil
+
+    dst = f"s3://{BUCKET}/kept"
+    assert run_cli("reshard", f"{run}/step_00000002", dst, "--to-dp", "2").code == 0
+    local = tmp_path / "src"
+    assert run_cli("reshard", f"{run}/step_00000002", local, "--to-dp", "1").code == 0
+    damaged = tmp_path / "damaged"
+    shutil.copytree(local, damaged)
+    data = next(damaged.glob("*.distcp"))
+    data.write_bytes(flip_bit(data.read_bytes()))
+    r = run_cli("reshard", damaged, dst, "--to-dp", "3", "--overwrite")
+    assert r.code == 1 and "does not match the source's manifest" in r.err, r.err
+    assert run_cli("verify", "--deep", dst).code == 0  # the old DST, whole
+    assert run_cli("reshard", local, dst, "--to-dp", "3", "--overwrite").code == 0
+    a, b = _tensors(f"{run}/step_00000002"), _tensors(dst)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

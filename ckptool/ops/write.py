@@ -63,6 +63,7 @@ def write_output(job: WriteJob, result, progress: Callable[[int], object] | None
 
 def _write(job: WriteJob, group: Group, result, progress) -> tuple[str, int]:
     opened, writer, index = job.opened, job.writer, job.opened.index
+    checked = _check_before_replacing(job, group)
     out = group.on_rank0(lambda: atomic_output(  # the key on rank 0 alone: it lists the source
         job.dst, overwrite=job.overwrite, durable=job.fsync,
         resume_key=journal.resume_key(opened, job.fmt, result, job.format_options, job.weights_only,
@@ -98,7 +99,7 @@ def _write(job: WriteJob, group: Group, result, progress) -> tuple[str, int]:
 
         mine = job.plan[group.rank::group.world]
         error = None
-        check = SourceCheck(opened, group) if job.verify_source else None
+        check = SourceCheck(opened, group) if job.verify_source and not checked else None
         try:
             if check is not None:
                 check.start()
@@ -126,6 +127,23 @@ def _write(job: WriteJob, group: Group, result, progress) -> tuple[str, int]:
             raise
         raise _refused(exc, store, len(job.plan)) from None
     return out.final.url, reused
+
+
+def _check_before_replacing(job: WriteJob, group: Group) -> bool:
+    """``--overwrite`` of an object store's DST: the output is written in place, so the old DST
+    is deleted before the first byte. Everything that can refuse the source (its hashes, its
+    pickles) is checked first, so a refusal keeps the old DST. True when the source's hashes
+    were checked here."""
+    dst = Store.open(job.dst)
+    if not job.overwrite or dst.is_local or not dst.exists():
+        return False
+    require_safe_pickles(job.opened)
+    if not job.verify_source:
+        return False
+    check = SourceCheck(job.opened, group)
+    check.start()
+    check.join(group)
+    return True
 
 
 _STORAGE_REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
