@@ -243,3 +243,25 @@ def test_overwrite_of_an_s3_destination_keeps_it_when_the_source_is_refused(s3, 
     assert run_cli("reshard", local, dst, "--to-dp", "3", "--overwrite").code == 0
     a, b = _tensors(f"{run}/step_00000002"), _tensors(dst)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resave_killed_before_it_commits_never_reads_as_a_fresh_run(s3):
+    """A job that resumed from step 5 and saves step 5 again uncommits and empties the old
+    step first (no rename on an object store). Killed before the new save commits, with
+    keep_last=1, the run root was empty: load_latest returned None, a silent restart from
+    step 0. The prefix keeps a trace: load_latest raises, naming the step."""
+    from ckptool.core.errors import NoCheckpoint
+    from training import AsyncCheckpointer
+
+    root = f"s3://{BUCKET}/resave"
+    ckpt = AsyncCheckpointer(root, keep_last=1)
+    ckpt.save(5, {"w": torch.ones(4) * 5})
+    ckpt.wait()
+    ckpt._target_name(5)  # what save(5) does before its write starts; the job dies here
+    state = {"w": torch.zeros(4)}
+    with pytest.raises(NoCheckpoint, match="step_00000005"):
+        AsyncCheckpointer(root).load_latest(state)
+    ckpt.save(5, {"w": torch.ones(4) * 6})  # the re-run saves it again, whole
+    ckpt.wait()
+    assert AsyncCheckpointer(root).load_latest(state) == 5 and torch.equal(state["w"], torch.ones(4) * 6)
+    assert not s3.exists(f"{BUCKET}/resave/step_00000005/.ckptool-resaving")

@@ -57,6 +57,9 @@ from training.state import (
 )
 
 logger = logging.getLogger(__name__)
+RESAVE_MARK = ".ckptool-resaving"
+"""On an object store, the object a re-save of a committed step leaves in its prefix until the
+new save commits (:meth:`AsyncCheckpointer._target_name`)."""
 
 STEP_DIR = "step_{:08d}"
 _STEP = re.compile(r"^step_\d{8,}$")
@@ -361,6 +364,8 @@ class AsyncCheckpointer:
                 os.rename(tmp.root, final.root)
             else:  # object stores: written in place; the manifest is the commit marker
                 final = tmp
+                if final.exists(RESAVE_MARK):  # committed again: the trace goes
+                    final.fs.rm(final.path(RESAVE_MARK))
             try:  # the step is committed: pruning older ones that fails is a warning, not a failed save
                 self._retain(final)
                 if final.is_local:
@@ -413,7 +418,14 @@ class AsyncCheckpointer:
         if target.exists():  # a re-save of this step after a restart: uncommit it first
             if target.exists(MANIFEST):
                 target.fs.rm(target.path(MANIFEST))
-            target.fs.rm(target.root, recursive=True)
+                # a trace that a committed save stood here until the new one commits: a job
+                # killed meanwhile finds a save that does not load (load_latest raises), not an
+                # empty run root (None: a silent restart from step 0 with keep_last=1)
+                target.write_bytes(RESAVE_MARK, f"step {step} was committed here and is being "
+                                                "saved again\n".encode())
+            for name, is_dir in target.ls():
+                if name != RESAVE_MARK:
+                    target.fs.rm(target.path(name), recursive=is_dir)
         return final
 
     def _agree(self, value: str) -> str:
