@@ -265,3 +265,17 @@ def test_a_resave_killed_before_it_commits_never_reads_as_a_fresh_run(s3):
     ckpt.wait()
     assert AsyncCheckpointer(root).load_latest(state) == 5 and torch.equal(state["w"], torch.ones(4) * 6)
     assert not s3.exists(f"{BUCKET}/resave/step_00000005/.ckptool-resaving")
+
+
+def test_a_missing_bucket_is_not_a_first_start_and_odd_urls_are_refused(s3, run, run_cli):
+    """A restart script reads latest's exit 1 as "nothing saved yet, start fresh": a bucket
+    that is not there (a typo in the URL) is unreadable storage, exit 2. A URL with "//" or a
+    "." segment names other keys than it seems to (written to one prefix, listed from
+    another): refused."""
+    r = run_cli("latest", "s3://no-such-bucket/run")
+    assert r.code == 2 and "bucket 'no-such-bucket' does not exist" in r.err, r.err
+    assert run_cli("latest", f"s3://{BUCKET}/never-saved").code == 1  # a first start
+    for odd in (f"s3://{BUCKET}//run", f"s3://{BUCKET}/./run"):
+        r = run_cli("reshard", f"{run}/step_00000002", f"{odd}-copy", "--to-dp", "1")
+        assert r.code == 2 and "path segment" in r.err, r.err
+        assert run_cli("latest", odd).code == 2

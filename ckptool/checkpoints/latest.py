@@ -18,7 +18,7 @@ from ckptool.checkpoints.open import (
 )
 from ckptool.checkpoints.reports import LatestResult, Skipped
 from ckptool.checkpoints.verify import verify
-from ckptool.core.errors import CkptoolError, NoCheckpoint, UsageError
+from ckptool.core.errors import CkptoolError, NoCheckpoint, UnreadableInput, UsageError
 from ckptool.core.manifest import read_manifest
 from ckptool.core.storage import Store, is_temporary
 
@@ -32,6 +32,10 @@ def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
     """The newest valid checkpoint under ``root``; raises NoCheckpoint when there is none."""
     store = Store.open(root)
     if not store.exists():
+        container = store.root.split("/")[0]
+        if not store.is_local and not store.fs.exists(container):  # a typo, not a first start
+            raise UnreadableInput(f"the bucket {container!r} does not exist or cannot be read",
+                                  path=store.url, hint="Check the URL, the endpoint and the credentials")
         raise NoCheckpoint("run root does not exist", path=store.url)
     if not store.isdir():
         raise UsageError("is a file, not a run root or a checkpoint directory", path=store.url)

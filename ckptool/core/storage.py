@@ -44,6 +44,8 @@ METADATA_LIMIT = 64 << 20
 largest real ones (a 1T model's safetensors index) are a few MB."""
 _TMP_RE = re.compile(r"\.tmp-[0-9a-zA-Z]+$")
 _STORAGE_OPTIONS: dict[str, Any] = {}
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"}
+"""fsspec protocols whose keys are plain strings (``b//x`` is not ``b/x``)."""
 fsspec = lazy("fsspec", globals())  # ~0.1 s to import: local paths need it only to write
 
 
@@ -133,6 +135,12 @@ class Store:
             except (ImportError, ValueError) as exc:
                 raise UsageError(f"cannot open {url}: {exc}") from None
             root = root.rstrip("/") or root
+            protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+            if protocols & _OBJECT_STORES and any(part in ("", ".", "..") for part in root.split("/")):
+                # an object store's keys are strings: "b//x" and "b/./x" are other keys than
+                # "b/x", which its listings would then mix up
+                raise UsageError(f"{url} has an empty, '.' or '..' path segment",
+                                 hint="Write the URL with single slashes and no '.' segments")
         store = cls(url.rstrip("/") if len(url) > 1 else url, fs, root)
         if store.is_local:
             store.boundary = _boundary_of(root)
