@@ -162,3 +162,17 @@ def test_storage_paths_with_a_dot_segment_read_as_the_files_they_name(tmp_path, 
     dcp.load(again, checkpoint_id=str(out))
     for key, value in state.items():
         assert torch.equal(again[key], value) and torch.equal(loaded[key], value), key
+
+
+def test_a_plain_dcp_save_without_a_model_says_what_gives_one(tmp_path, run_cli):
+    """A plain DCP save of a model's state dict records no model: converting it to Hugging Face
+    or Megatron is refused, and the hint no longer sends the user to --model-config, which a
+    DCP source refuses in turn."""
+    src = tmp_path / "dcp"
+    dcp.save({"model.embed_tokens.weight": torch.randn(8, 4)}, checkpoint_id=str(src))
+    for to in ("hf", "megatron"):
+        r = run_cli("convert", src, tmp_path / to, "--to", to)
+        assert r.code == 2 and "does not say what model it holds" in r.err, r.err
+        assert "cannot take --model-config" in r.err and "Pass --model-config" not in r.err, r.err
+    r = run_cli("convert", src, tmp_path / "hf", "--to", "hf", "--model-config", tmp_path / "c.json")
+    assert r.code == 2 and "--model-config does not apply to dcp input" in r.err, r.err

@@ -40,6 +40,7 @@ from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from ckptool.core.view import Entry as HfTensor
 from ckptool.core.view import remap, stored_box
+from converters.schemas.megatron_args import unknown_model
 from converters.schemas.hf import (
     CONFIG,
     HfModel,
@@ -220,9 +221,7 @@ class HfWriter(Writer):
     def target_spec(self, index: CheckpointIndex, source: Topology, target: Topology,
                     true_vocab_size: int | None) -> ModelSpec:
         if index.model_config is None:
-            raise UsageError("the source does not say what model it holds", path=index.url,
-                             hint="Pass --model-config CONFIG.json (the model's Hugging Face "
-                                  "config) if it is an HF model")
+            raise unknown_model(index)
         # one stage: a pipeline split the source recorded for its own PP says nothing here
         spec = replace(model_spec(index.model_config, index.url), first_stage_layers=None,
                        last_stage_layers=None)

@@ -440,6 +440,19 @@ def uncarried_arg(args: argparse.Namespace) -> tuple[str, object, str] | None:
     return None
 
 
+def unknown_model(index: CheckpointIndex) -> UsageError:
+    """The refusal of a source that does not say what model it holds, with what gives one."""
+    hint = ("Pass --model-config CONFIG.json (the model's Hugging Face config) if it is an HF model"
+            if index.format in MODEL_CONFIG_READERS else
+            f"A {index.format} checkpoint cannot take --model-config; one the training hook saves "
+            "records the model (AsyncCheckpointer(model_config=...)) and converts")
+    return UsageError("the source does not say what model it holds", path=index.url, hint=hint)
+
+
+MODEL_CONFIG_READERS = ("deepspeed", "deepspeed-universal")
+"""Source formats whose reader takes ``--model-config`` (an HF config for its module)."""
+
+
 def refuse_per_layer_keys(index: CheckpointIndex) -> None:
     """Refuse (UsageError, exit 2) ``torch_dist`` output for args under which Megatron-Core
     keys every layer apart (``moe_layer_freq`` a list: ``TransformerBlock``'s
@@ -598,9 +611,7 @@ class UnevenStages:
     def target_spec(self, index, source: Topology, target: Topology,
                     true_vocab_size: int | None) -> ModelSpec:
         if index.model_config is None:
-            raise UsageError("the source does not say what model it holds", path=index.url,
-                             hint="Pass --model-config CONFIG.json (the model's Hugging Face "
-                                  "config) if it is an HF model")
+            raise unknown_model(index)
         return target_spec(index, source, target, true_vocab_size, self.first_stage_layers,
                            self.last_stage_layers)
 
