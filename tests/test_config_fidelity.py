@@ -793,3 +793,16 @@ def test_a_moe_with_dense_layers_is_refused_naming_the_field(edit, tmp_path, run
     r = run_cli("convert", src, dst, "--to", "dcp")
     assert r.code == 2 and next(iter(edit)) in r.err and len(r.err.strip().splitlines()) == 1, r.err
     assert not dst.exists()
+
+
+def test_rope_args_of_a_model_without_rope_change_nothing():
+    """--use-rope-scaling on a learned-position GPT does nothing in Megatron: the spec has no
+    RoPE scaling (it made the conversion refused, blaming RoPE scaling on a model without
+    RoPE), and an all-MoE layer frequency spelt as a list is every layer's 1."""
+    from converters.schemas.megatron_args import spec_from_args, uncarried_arg
+
+    args = _args(H.GPT, use_rope_scaling=True)
+    assert args.position_embedding_type == "learned_absolute"
+    assert spec_from_args(args)[0].rope_scaling is None
+    assert uncarried_arg(_args(H.GPT, moe_layer_freq=[1, 1])) is None
+    assert uncarried_arg(_args(H.GPT, moe_layer_freq=[0, 1]))[0] == "moe_layer_freq"

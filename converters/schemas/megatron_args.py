@@ -237,7 +237,7 @@ def _features(args: argparse.Namespace) -> dict:
     window = _window(_get(args, "window_size")) if _get_skip(args) is None else None
     if window is not None:
         out["window_size"] = window
-    if _get(args, "use_rope_scaling", False):
+    if _get(args, "use_rope_scaling", False) and _has_rope(args):  # a no-op without RoPE
         out.update(rope_scaling="llama3", **MCORE_ROPE_SCALING)
     experts = _get(args, "num_experts")
     if experts:
@@ -354,10 +354,13 @@ def _moe_only(test):
     return lambda value, args: test(value, args) or not _get(args, "num_experts")
 
 
+def _has_rope(args) -> bool:
+    return str(_get(args, "position_embedding_type", "learned_absolute")) == "rope"
+
+
 def _rope_only(test):
     """A RoPE setting: a no-op when the model has no rotary positions."""
-    return lambda value, args: test(value, args) or \
-        str(_get(args, "position_embedding_type", "learned_absolute")) != "rope"
+    return lambda value, args: test(value, args) or not _has_rope(args)
 
 
 MATH_ARGS = {
@@ -409,7 +412,8 @@ MATH_ARGS = {
     "moe_router_force_load_balancing": ("false (routing by the router's logits)", _moe_only(_off)),
     "moe_router_topk_limited_devices": ("null", _moe_only(lambda v, a: not v)),
     "moe_input_jitter_eps": ("null", lambda v, a: v is None),
-    "moe_layer_freq": ("1 (every layer MoE)", lambda v, a: v in (None, 1)),
+    "moe_layer_freq": ("1 (every layer MoE)", lambda v, a: v in (None, 1) or (
+        isinstance(v, (list, tuple)) and all(x == 1 for x in v))),
     "moe_shared_expert_intermediate_size": ("any (with its sigmoid gate, Qwen2-MoE's)",
                                             lambda v, a: not v or bool(_get(a, "moe_shared_expert_gate", False))),
     "multi_latent_attention": ("false", _off),
