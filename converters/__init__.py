@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import importlib
 
-from ckptool.core.errors import UnknownFormat, UnsupportedFormat
+from ckptool.core.errors import BadCheckpoint, UnknownFormat, UnsupportedFormat
 from ckptool.core.index import CheckpointIndex, Reader, Writer
 from ckptool.core.manifest import MANIFEST, read_manifest
-from ckptool.core.storage import Store
+from ckptool.core.storage import RESUME_KEY_FILE, Store
 
 READERS = {
     "dcp": "converters.dcp:DcpReader",
@@ -136,6 +136,10 @@ def require_format(store: Store) -> str:
         raise UnknownFormat("no such file or directory", path=store.url)
     fmt = detect(store)
     if fmt is None:
+        if store.exists(RESUME_KEY_FILE) and not store.exists(MANIFEST):  # an object store's
+            raise BadCheckpoint("not committed: the output of a reshard or convert that did not "
+                                "finish (written in place, no manifest yet)", path=store.url,
+                                hint="Re-run the same command to resume it, or delete it")
         entries = [n + ("/" if d else "") for n, d in store.ls()][:8]
         found = ", ".join(entries) if entries else "an empty directory"
         raise UnknownFormat(

@@ -163,7 +163,8 @@ def test_a_rewrite_killed_at_its_s3_commit_resumes_on_the_rerun(s3, run, run_cli
     with monkeypatch.context() as m:
         m.setattr(storage.MarkerOutput, "commit", killed)
         assert run_cli("reshard", f"{run}/step_00000002", dst, "--to-dp", "3").code == 130
-    assert run_cli("verify", dst).code == 1  # written, not committed
+    r = run_cli("verify", dst)  # written, not committed
+    assert r.code == 1 and "not committed" in r.err, r.err
     r = run_cli("reshard", f"{run}/step_00000002", dst, "--to-dp", "3")
     assert r.code == 0 and "kept 3 finished files" in r.out, r.out + r.err
     assert run_cli("verify", "--deep", "--strict", dst).code == 0  # no journal left in it
@@ -279,3 +280,23 @@ def test_a_missing_bucket_is_not_a_first_start_and_odd_urls_are_refused(s3, run,
         r = run_cli("reshard", f"{run}/step_00000002", f"{odd}-copy", "--to-dp", "1")
         assert r.code == 2 and "path segment" in r.err, r.err
         assert run_cli("latest", odd).code == 2
+
+
+def test_a_rewrite_killed_before_its_first_file_on_s3_reads_as_uncommitted(s3, run, run_cli, monkeypatch):
+    """Killed before any data file (only its resume key written), an object store's output
+    read as "not a checkpoint ckptool knows" (exit 2); it is an uncommitted rewrite (exit 1),
+    which the same command resumes."""
+    from converters.dcp import DcpWriter
+
+    dst = f"s3://{BUCKET}/killed-early"
+
+    def killed(self, *a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(DcpWriter, "write_file", killed)
+        assert run_cli("reshard", f"{run}/step_00000002", dst, "--to-dp", "3").code == 130
+    r = run_cli("verify", dst)
+    assert r.code == 1 and "not committed: the output of a reshard or convert" in r.err, r.err
+    assert run_cli("reshard", f"{run}/step_00000002", dst, "--to-dp", "3").code == 0
+    assert run_cli("verify", "--deep", "--strict", dst).code == 0
