@@ -206,9 +206,9 @@ class SourceCheck:
         problem = group.first_problem(self.problem)
         if problem is not None:
             raise BadCheckpoint(problem, path=self.store.url,
-                                hint="`ckptool verify` it names every damaged file; nothing was "
-                                     "written (use an intact checkpoint, e.g. the one `ckptool latest "
-                                     "ROOT` names)")
+                                hint="`ckptool verify SRC` names every damaged file. Nothing was "
+                                     "written: use an intact checkpoint (`ckptool latest ROOT` names "
+                                     "the newest)")
 
     def cancel(self) -> None:
         self._stop.set()
