@@ -32,9 +32,9 @@ def latest(root: str, *, verify_checkpoints: bool = True) -> LatestResult:
     """The newest valid checkpoint under ``root``; raises NoCheckpoint when there is none."""
     store = Store.open(root)
     if not store.exists():
-        container = store.root.split("/")[0]
-        if not store.is_local and not store.fs.exists(container):  # a typo, not a first start
-            raise UnreadableInput(f"the bucket {container!r} does not exist or cannot be read",
+        bucket = store.bucket
+        if bucket is not None and not store.fs.exists(bucket):  # a typo, not a first start
+            raise UnreadableInput(f"the bucket {bucket!r} does not exist or cannot be read",
                                   path=store.url, hint="Check the URL, the endpoint and the credentials")
         raise NoCheckpoint("run root does not exist", path=store.url)
     if not store.isdir():

@@ -135,13 +135,12 @@ class Store:
             except (ImportError, ValueError) as exc:
                 raise UsageError(f"cannot open {url}: {exc}") from None
             root = root.rstrip("/") or root
-            protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-            if protocols & _OBJECT_STORES and any(part in ("", ".", "..") for part in root.split("/")):
-                # an object store's keys are strings: "b//x" and "b/./x" are other keys than
-                # "b/x", which its listings would then mix up
-                raise UsageError(f"{url} has an empty, '.' or '..' path segment",
-                                 hint="Write the URL with single slashes and no '.' segments")
         store = cls(url.rstrip("/") if len(url) > 1 else url, fs, root)
+        if store.bucket is not None and any(part in ("", ".", "..") for part in root.split("/")):
+            # an object store's keys are strings: "b//x" and "b/./x" are other keys than "b/x",
+            # which its listings would then mix up
+            raise UsageError(f"{url} has an empty, '.' or '..' path segment",
+                             hint="Write the URL with single slashes and no '.' segments")
         if store.is_local:
             store.boundary = _boundary_of(root)
         return store
@@ -149,6 +148,12 @@ class Store:
     @property
     def is_local(self) -> bool:
         return _is_local_fs(self.fs)
+
+    @property
+    def bucket(self) -> str | None:
+        """The bucket (container) of an object store's URL; None on any other storage."""
+        protocols = {self.fs.protocol} if isinstance(self.fs.protocol, str) else set(self.fs.protocol)
+        return self.root.split("/")[0] if protocols & _OBJECT_STORES else None
 
     @property
     def name(self) -> str:

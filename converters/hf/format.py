@@ -40,7 +40,6 @@ from ckptool.core.storage import Store
 from ckptool.core.topology import Topology
 from ckptool.core.view import Entry as HfTensor
 from ckptool.core.view import remap, stored_box
-from converters.schemas.megatron_args import unknown_model
 from converters.schemas.hf import (
     CONFIG,
     HfModel,
@@ -50,6 +49,7 @@ from converters.schemas.hf import (
     hf_tensors,
     refuse_schema_field,
     spec_from_config,
+    unknown_model,
     unplaced_tensors,
 )
 

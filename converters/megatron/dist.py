@@ -58,9 +58,9 @@ from converters.megatron.common import (
 )
 from converters.schemas.megatron import TRACKER, iteration_dir, params_by_key
 from converters.schemas.megatron_args import (
-    refuse_per_layer_keys,
     UnevenStages,
     feature_notes,
+    refuse_per_layer_keys,
     refuse_unrunnable_gelu,
     source_dtype,
     update_args,

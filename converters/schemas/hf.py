@@ -233,6 +233,19 @@ def refuse_uncarried_config(index: CheckpointIndex, target: str) -> None:
                          "convert it, or check --model-family; nothing was written")
 
 
+def unknown_model(index: CheckpointIndex) -> UsageError:
+    """The refusal of a source that does not say what model it holds, with what gives one."""
+    hint = ("Pass --model-config CONFIG.json (the model's Hugging Face config) if it is an HF model"
+            if index.format in MODEL_CONFIG_READERS else
+            f"A {index.format} checkpoint cannot take --model-config; one the training hook saves "
+            "records the model (AsyncCheckpointer(model_config=...)) and converts")
+    return UsageError("the source does not say what model it holds", path=index.url, hint=hint)
+
+
+MODEL_CONFIG_READERS = ("deepspeed", "deepspeed-universal")
+"""Source formats whose reader takes ``--model-config`` (an HF config for its module)."""
+
+
 def refuse_schema_field(config: dict, family: str, where: str) -> None:
     """Where a family's tensors are missing: refuse (exit 2) naming the config field the table
     assumes otherwise (Qwen2-MoE's ``decoder_sparse_step``, a bias flag), if one does: the
@@ -323,4 +336,5 @@ def stored_view(index: CheckpointIndex, config: dict, aliases: dict[str, str]) -
 __all__ = ["CONFIG", "HfModel", "FAMILIES", "KEEPS_CONFIG", "hf_tensors", "family_of",
            "tied_aliases", "spec_from_config", "config_for", "family_of_config", "named_view",
            "known_family", "stored_view",
-           "uncarried_field", "refuse_uncarried_config", "unplaced_tensors", "refuse_schema_field"]
+           "uncarried_field", "refuse_uncarried_config", "unplaced_tensors", "refuse_schema_field",
+           "unknown_model"]

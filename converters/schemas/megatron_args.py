@@ -16,6 +16,7 @@ from ckptool.core.errors import UnreadableInput, UnsupportedFormat, UsageError, 
 from ckptool.core.index import CheckpointIndex
 from ckptool.core.layout import ModelSpec, model_spec, padded_vocab
 from ckptool.core.topology import Topology
+from converters.schemas.hf import unknown_model
 
 # ------------------------------------------------------------------------------- args
 
@@ -442,19 +443,6 @@ def uncarried_arg(args: argparse.Namespace) -> tuple[str, object, str] | None:
         if value is not None and not ok(value, args):
             return name, value, noop
     return None
-
-
-def unknown_model(index: CheckpointIndex) -> UsageError:
-    """The refusal of a source that does not say what model it holds, with what gives one."""
-    hint = ("Pass --model-config CONFIG.json (the model's Hugging Face config) if it is an HF model"
-            if index.format in MODEL_CONFIG_READERS else
-            f"A {index.format} checkpoint cannot take --model-config; one the training hook saves "
-            "records the model (AsyncCheckpointer(model_config=...)) and converts")
-    return UsageError("the source does not say what model it holds", path=index.url, hint=hint)
-
-
-MODEL_CONFIG_READERS = ("deepspeed", "deepspeed-universal")
-"""Source formats whose reader takes ``--model-config`` (an HF config for its module)."""
 
 
 def refuse_per_layer_keys(index: CheckpointIndex) -> None:

@@ -162,8 +162,8 @@ gates the window everywhere): ``qwen2`` (Qwen2, Qwen3): without ``layer_types``,
 ``qwen3_moe``: every layer (``max_window_layers`` and ``layer_types`` unused)."""
 
 
-def _window(config: dict, pattern: bool = False, qwen: str | None = None, layer_types: bool = True
-              ) -> tuple[int | None, Problem | None]:
+def _window(config: dict, pattern: bool = False, qwen: str | None = None,
+            layer_types: bool = True) -> tuple[int | None, Problem | None]:
     """The window every layer uses (None: full attention), or what is not one window
     (``pattern``: a per-layer pattern is read by :func:`_pattern` instead). ``qwen``: the
     family's reading of :data:`QWEN_WINDOWS` (only Qwen's classes read ``use_sliding_window``);
@@ -219,8 +219,10 @@ def window(written: tuple[str, ...] = ("sliding_window",), qwen: str | None = No
                 * spec.num_layers
         return out
 
-    return Feature(_WINDOW_FIELDS, lambda c: {"window_size": _window(c, qwen=qwen, layer_types=layer_types)[0]},
-                   write, lambda c: _window(c, qwen=qwen, layer_types=layer_types)[1])
+    def read(config: dict) -> tuple[int | None, Problem | None]:
+        return _window(config, qwen=qwen, layer_types=layer_types)
+
+    return Feature(_WINDOW_FIELDS, lambda c: {"window_size": read(c)[0]}, write, lambda c: read(c)[1])
 
 
 def _pattern(config: dict) -> str | None:
